@@ -1,0 +1,36 @@
+// Launch and numerics configuration (DESIGN.md §2). Zero means "let the heuristic choose".
+#pragma once
+
+#include <cstdint>
+
+#include "pounce/shape.h"
+
+namespace pounce {
+
+enum class Precision { kBF16, kFP8 };
+enum class Backend { kAuto, kCpu, kGpu };
+
+struct Config {
+  int forward_comm_sms = 0;     // SMs that move tokens in the forward kernel; 0 = heuristic
+  int backward_comm_sms = 0;    // same for the backward kernel
+  int64_t minibatch_size = 0;   // rows per dispatch->GEMM handoff counter; 0 = heuristic
+  int64_t macrobatch_size = 0;  // rows in the routed activation ring; 0 = worst case (no looping)
+  Activation activation;
+  Precision precision = Precision::kBF16;
+  bool deterministic = true;            // false is rejected for now: every path is deterministic
+  Backend backend = Backend::kAuto;
+};
+
+// GEMM tile height: every expert segment of the receive schedule is padded to a multiple of it.
+inline constexpr int64_t kBlockM = 128;
+// FP8 block sizes (DESIGN.md §1): 1x128 activations, 128x128 weights.
+inline constexpr int64_t kFp8Block = 128;
+
+// Throws pounce::Error when a field is out of range for `shape`.
+void validate(const Config& config, const Shape& shape);
+
+const char* to_string(Precision precision);
+const char* to_string(Backend backend);
+const char* to_string(ActivationKind kind);
+
+}  // namespace pounce

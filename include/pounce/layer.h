@@ -1,0 +1,46 @@
+// The MoE layer after the router (DESIGN.md §1): forward, backward, recompute of the forward context.
+// All calls are stream-ordered, allocate nothing, and read no routing counts on the host, so a GPU
+// forward+backward can be captured in a CUDA graph and replayed with new routing.
+#pragma once
+
+#include "pounce/tensor.h"
+#include "pounce/workspace.h"
+
+namespace pounce {
+
+// Routed weights: gate/up [El, I, H], down [El, H, I]. Shared weights: gate/up [Is, H], down [H, Is].
+struct ExpertWeights {
+  TensorView gate;
+  TensorView up;
+  TensorView down;
+};
+
+struct Fp8Weights;
+
+struct ForwardArgs {
+  TensorView x;             // [T, H] bf16, T <= max_tokens (T may differ per rank and per call)
+  TensorView topk_idx;      // [T, k] int32 or int64: global expert id, or -1 for an unused slot
+  TensorView topk_weights;  // [T, k] fp32, used as given
+  ExpertWeights routed;     // bf16
+  ExpertWeights shared;     // bf16; left empty when shape.shared_intermediate == 0
+  const Fp8Weights* routed_fp8 = nullptr;  // required when config.precision == kFP8
+  TensorView out;           // [T, H] bf16, written
+};
+
+struct BackwardArgs {
+  ForwardArgs inputs;            // the same inputs the forward of this workspace saw (out is not read)
+  TensorView d_out;              // [T, H] bf16
+  TensorView d_x;                // [T, H] bf16, written
+  TensorView d_topk_weights;     // [T, k] fp32, written: <d_out[t], y[t, j]>, no division by the weight
+  ExpertWeights d_routed;        // dtype bf16 or fp32; shapes as the weights
+  ExpertWeights d_shared;        // same; empty when there is no shared expert
+  bool accumulate_weight_grads = false;  // add into fp32 tensors (main_grad) instead of overwriting
+};
+
+void forward(Workspace& workspace, const ForwardArgs& args, void* stream = nullptr);
+void backward(Workspace& workspace, const BackwardArgs& args, void* stream = nullptr);
+// Rebuilds the forward context bitwise equal to what forward saved, without writing `out`
+// (activation checkpointing: run forward, drop the workspace for other layers, recompute, backward).
+void recompute_forward_context(Workspace& workspace, const ForwardArgs& args, void* stream = nullptr);
+
+}  // namespace pounce
