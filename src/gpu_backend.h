@@ -31,5 +31,7 @@ WorkspaceBytes workspace_bytes(const Shape& shape, const Config& config);
 void forward(GpuWorkspace& workspace, const ForwardArgs& args, void* stream);
 void backward(GpuWorkspace& workspace, const BackwardArgs& args, void* stream);
 void recompute_forward_context(GpuWorkspace& workspace, const ForwardArgs& args, void* stream);
+// Throws pounce::Error when a kernel of this workspace recorded a timed-out wait or bad routing.
+void check_device_errors(GpuWorkspace& workspace);
 
 }  // namespace pounce::gpu

@@ -34,9 +34,9 @@ class Group {
   GroupState& state() const { return *state_; }
 
  private:
+  Group(std::shared_ptr<GroupState> state, int rank) : state_(std::move(state)), rank_(rank) {}
   std::shared_ptr<GroupState> state_;
   int rank_ = 0;
-  friend struct GroupAccess;
 };
 
 }  // namespace pounce

@@ -34,8 +34,8 @@ struct TensorView {
   // a dtype Pounce does not take.
   static TensorView from_dlpack(const DLTensor& tensor, const char* name);
 
-  bool defined() const { return data != nullptr || numel() == 0 && !shape.empty(); }
-  bool empty_view() const { return shape.empty() && data == nullptr; }
+  // A default-constructed view stands for "no tensor" (e.g. shared weights when there is no shared expert).
+  bool is_none() const { return data == nullptr && shape.empty(); }
   int64_t rank() const { return static_cast<int64_t>(shape.size()); }
   int64_t numel() const;
   int64_t bytes() const { return numel() * size_of(dtype); }

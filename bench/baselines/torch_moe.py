@@ -1,0 +1,557 @@
+#!/usr/bin/env python3
+"""The plain-PyTorch expert-parallel MoE layer that Pounce is measured against (DESIGN.md section 7).
+
+This is the stack a user assembles today from stock PyTorch, written the way a competent user would:
+
+  sort (token, slot) pairs by destination expert
+  -> all_to_all_single of the per-expert counts, then .tolist() on the host   (the host sync)
+  -> all_to_all_single of the token rows                                       (dispatch)
+  -> regroup the received rows by local expert
+  -> torch._grouped_mm gate and up, SwiGLU (or the GPT-OSS form), torch._grouped_mm down
+  -> inverse regroup, all_to_all_single back                                   (combine)
+  -> weighted sum over the k slots in fp32, plus the shared expert, cast to bf16.
+
+Backward is autograd through all of it; the all-to-alls go through an autograd.Function whose
+backward is the reverse all-to-all.
+
+Importable: ``baseline_forward(...)`` is the layer (one rank's view; with no process group, or a
+group of one rank, it runs without communication and can serve as a single-GPU reference).
+
+Run as a script under torchrun for the benchmark or the ``--check`` self-test, e.g.
+
+  torchrun --nproc-per-node=2 bench/baselines/torch_moe.py --check
+  torchrun --nproc-per-node=2 bench/baselines/torch_moe.py --preset qwen3-30b-a3b,deepseek-v3 \
+      --tokens 8192 --passes forward,forward_backward --iters 20 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+GPTOSS_ALPHA = 1.702
+
+# Model presets (DESIGN.md section 5). "deepseek-v3-routed" drops the shared expert, to compare with
+# measurements that count routed experts only.
+PRESETS = {
+    "qwen3-30b-a3b": dict(hidden=2048, intermediate=768, experts=128, topk=8,
+                          shared_intermediate=0, activation="swiglu", limit=None),
+    "deepseek-v3": dict(hidden=7168, intermediate=2048, experts=256, topk=8,
+                        shared_intermediate=2048, activation="swiglu", limit=None),
+    "deepseek-v3-routed": dict(hidden=7168, intermediate=2048, experts=256, topk=8,
+                               shared_intermediate=0, activation="swiglu", limit=None),
+    "gpt-oss-120b": dict(hidden=2880, intermediate=2880, experts=128, topk=4,
+                         shared_intermediate=0, activation="gptoss", limit=7.0),
+    "mixtral-8x7b": dict(hidden=4096, intermediate=14336, experts=8, topk=2,
+                         shared_intermediate=0, activation="swiglu", limit=None),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# The layer
+# --------------------------------------------------------------------------------------------
+
+def expert_activation(g, u, activation="swiglu", limit=None, alpha=GPTOSS_ALPHA):
+    """SwiGLU ``silu(g) * u`` or GPT-OSS ``(u + 1) * g * sigmoid(alpha * g)``.
+
+    With ``limit``: g = min(g, limit), u = clamp(u, -limit, limit) first (GPT-OSS uses limit 7).
+    """
+    if limit is not None:
+        g = g.clamp(max=limit)
+        u = u.clamp(min=-limit, max=limit)
+    if activation == "swiglu":
+        return F.silu(g) * u
+    if activation == "gptoss":
+        return (u + 1) * (g * torch.sigmoid(alpha * g))
+    raise ValueError(f"activation must be 'swiglu' or 'gptoss', got {activation!r}")
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single on rows; backward sends the gradient rows back the way they came."""
+
+    @staticmethod
+    def forward(ctx, inp, out_splits, in_splits, group):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        out = inp.new_empty((sum(out_splits),) + tuple(inp.shape[1:]))
+        dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_in = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(grad_in, grad.contiguous(), ctx.in_splits, ctx.out_splits,
+                               group=ctx.group)
+        return grad_in, None, None, None
+
+
+def _group_size_rank(group):
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _route(topk_idx, num_experts, R, group):
+    """Sort pairs by destination expert, exchange per-expert counts, and bring the splits to the host."""
+    T, k = topk_idx.shape
+    El = num_experts // R
+    dev = topk_idx.device
+    flat = topk_idx.reshape(-1).long()
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, num_experts))  # unused slots sort last
+    order = torch.argsort(key, stable=True)
+    send_counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]     # [E]
+    if R > 1:
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)               # [R*El]
+    else:
+        recv_counts = send_counts
+    recv_counts = recv_counts.view(R, El)            # rows from source rank r for local expert e
+    # The host synchronisation every all_to_all_single user pays: split sizes must be Python ints.
+    host = torch.cat([send_counts.view(R, El).sum(1), recv_counts.sum(1)]).tolist()
+    in_splits, out_splits = host[:R], host[R:]
+    n_send, n_recv = sum(in_splits), sum(out_splits)
+
+    pair_order = order[:n_send]                      # flat (token*k + slot) ids, by destination expert
+    token_of_pair = torch.div(pair_order, k, rounding_mode="floor")
+    # Received rows arrive [source rank][local expert]; regroup them [local expert][source rank].
+    seg_expert = torch.arange(El, device=dev).repeat(R)
+    row_expert = torch.repeat_interleave(seg_expert, recv_counts.reshape(-1), output_size=n_recv)
+    group_order = torch.argsort(row_expert, stable=True)
+    group_inverse = torch.empty_like(group_order)
+    group_inverse[group_order] = torch.arange(n_recv, device=dev)
+    offs = torch.cumsum(recv_counts.sum(0), 0, dtype=torch.int32)   # cumulative row ends, [El]
+    return dict(pair_order=pair_order, token_of_pair=token_of_pair, group_order=group_order,
+                group_inverse=group_inverse, offs=offs, in_splits=in_splits,
+                out_splits=out_splits, n_recv=n_recv)
+
+
+def _experts(xg, offs, w_gate, w_up, w_down, activation, limit, alpha, fused_gate_up):
+    """Routed expert MLPs on rows grouped by local expert (offs = int32 cumulative row ends)."""
+    H = w_down.shape[1]
+    if xg.shape[0] == 0:
+        # No rows at all: keep the weights in the graph so they get zero gradients.
+        z = (w_gate.sum() + w_up.sum() + w_down.sum()) * 0
+        return z.to(xg.dtype).expand(0, H)
+    # nn.Linear layout [El, out, in] -> mat_b [El, in, out] as a transposed view (no copy).
+    # torch._grouped_mm (sm90 CUTLASS path) needs 16-byte aligned strides (H, I multiples of 8)
+    # and fewer than 1024 groups; group sizes themselves need no padding. offs[-1] equals the
+    # row count, so no output row is left unwritten.
+    if fused_gate_up:
+        I = w_gate.shape[1]
+        w13 = torch.cat([w_gate, w_up], dim=1)
+        gu = torch._grouped_mm(xg, w13.transpose(-2, -1), offs=offs)
+        g, u = gu[:, :I], gu[:, I:]
+    else:
+        g = torch._grouped_mm(xg, w_gate.transpose(-2, -1), offs=offs)
+        u = torch._grouped_mm(xg, w_up.transpose(-2, -1), offs=offs)
+    a = expert_activation(g, u, activation, limit, alpha)
+    return torch._grouped_mm(a, w_down.transpose(-2, -1), offs=offs)
+
+
+def shared_expert(x, ws_gate, ws_up, ws_down, activation="swiglu", limit=None, alpha=GPTOSS_ALPHA):
+    return F.linear(expert_activation(F.linear(x, ws_gate), F.linear(x, ws_up), activation, limit,
+                                      alpha), ws_down)
+
+
+def baseline_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down,
+                     ws_gate=None, ws_up=None, ws_down=None, *, group=None,
+                     activation="swiglu", limit=None, alpha=GPTOSS_ALPHA, fused_gate_up=False):
+    """Expert-parallel MoE forward on this rank; differentiable w.r.t. x, topk_weights and weights.
+
+    x [T,H] bf16; topk_idx [T,k] int32/int64 global expert ids (-1 = unused slot);
+    topk_weights [T,k] fp32 (used as given); w_gate/w_up [El,I,H], w_down [El,H,I] bf16 for the
+    local experts (expert e lives on rank e // El); optional shared ws_gate/ws_up [Is,H],
+    ws_down [H,Is]. ``group``: the EP process group (None = default group if initialised, else a
+    single rank). Returns out [T,H] bf16.
+    """
+    R, _ = _group_size_rank(group)
+    T, k = topk_idx.shape
+    El, _, H = w_gate.shape
+    E = El * R
+    assert x.shape == (T, H), f"x must be [T={T}, H={H}], got {tuple(x.shape)}"
+    assert topk_weights.shape == (T, k), f"topk_weights must be [{T}, {k}], got {tuple(topk_weights.shape)}"
+
+    rt = _route(topk_idx, E, R, group)
+    xs = x.index_select(0, rt["token_of_pair"])                                  # [n_send, H]
+    xr = _AllToAll.apply(xs, rt["out_splits"], rt["in_splits"], group) if R > 1 else xs
+    xg = xr.index_select(0, rt["group_order"])                                   # by local expert
+    yg = _experts(xg, rt["offs"], w_gate, w_up, w_down, activation, limit, alpha, fused_gate_up)
+    yr = yg.index_select(0, rt["group_inverse"])                                 # back to arrival order
+    ys = _AllToAll.apply(yr, rt["in_splits"], rt["out_splits"], group) if R > 1 else yr
+    y_pairs = ys.new_zeros(T * k, H).index_copy(0, rt["pair_order"], ys)         # [T*k, H] bf16
+    # Weighted sum over slots in fp32 (unused slots hold zero rows).
+    out = torch.bmm(topk_weights.float().unsqueeze(1), y_pairs.view(T, k, H).float()).squeeze(1)
+    if ws_gate is not None and ws_gate.shape[0] > 0:
+        out = out + shared_expert(x, ws_gate, ws_up, ws_down, activation, limit, alpha).float()
+    return out.to(torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# fp32 reference for --check (whole EP group in one process, dense per slot)
+# --------------------------------------------------------------------------------------------
+
+def reference_forward_fp32(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate=None,
+                           ws_up=None, ws_down=None, activation="swiglu", limit=None,
+                           alpha=GPTOSS_ALPHA):
+    """All tensors fp32, weights for ALL experts [E,...]. Loops over slots, dense over tokens."""
+    T, k = topk_idx.shape
+    out = torch.zeros_like(x)
+    for j in range(k):
+        e = topk_idx[:, j].long()
+        valid = (e >= 0).to(x.dtype).unsqueeze(1)
+        ec = e.clamp(min=0)
+        g = torch.einsum("th,tih->ti", x, w_gate[ec])
+        u = torch.einsum("th,tih->ti", x, w_up[ec])
+        a = expert_activation(g, u, activation, limit, alpha)
+        y = torch.einsum("ti,thi->th", a, w_down[ec])
+        out = out + valid * topk_weights[:, j:j + 1] * y
+    if ws_gate is not None and ws_gate.shape[0] > 0:
+        out = out + shared_expert(x, ws_gate, ws_up, ws_down, activation, limit, alpha)
+    return out
+
+
+def _rel_err(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    denom = b.abs().max().item()
+    diff = (a - b).abs().max().item()
+    return diff / denom if denom > 0 else diff
+
+
+def run_check(rank, R, group, device):
+    """Compare forward and all gradients against the fp32 reference on small shapes."""
+    H, I, k, El = 256, 128, 3, 4
+    E = El * R
+    configs = [
+        dict(name="swiglu+shared", activation="swiglu", limit=None, Is=64, wscale=1.0, fused=False),
+        dict(name="swiglu-limit0.5,fused", activation="swiglu", limit=0.5, Is=0, wscale=1.0,
+             fused=True),
+        dict(name="gptoss-limit7", activation="gptoss", limit=7.0, Is=96, wscale=4.0, fused=False),
+    ]
+    tokens = [61 + 16 * r for r in range(R)]        # unequal T per rank, not multiples of anything
+    worst = 0.0
+    for ci, cfg in enumerate(configs):
+        gen = torch.Generator().manual_seed(1234 + ci)
+        bf = torch.bfloat16
+        sc = cfg["wscale"]
+        Wg = (torch.randn(E, I, H, generator=gen) * sc / H ** 0.5).to(bf)
+        Wu = (torch.randn(E, I, H, generator=gen) * sc / H ** 0.5).to(bf)
+        Wd = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(bf)
+        Is = cfg["Is"]
+        Sg = (torch.randn(Is, H, generator=gen) * sc / H ** 0.5).to(bf)
+        Su = (torch.randn(Is, H, generator=gen) * sc / H ** 0.5).to(bf)
+        Sd = (torch.randn(H, Is, generator=gen) / max(Is, 1) ** 0.5).to(bf)
+        xs, idxs, ws, douts = [], [], [], []
+        for r in range(R):
+            T = tokens[r]
+            xs.append(torch.randn(T, H, generator=gen).to(bf))
+            # distinct experts per token, never the last expert (so one expert stays empty)
+            idx = torch.rand(T, E - 1, generator=gen).topk(k, dim=1).indices
+            drop = torch.rand(T, k, generator=gen) < 0.15
+            idx = torch.where(drop, torch.full_like(idx, -1), idx)
+            idxs.append(idx)
+            ws.append(torch.randn(T, k, generator=gen).softmax(-1))
+            douts.append(torch.randn(T, H, generator=gen).to(bf))
+
+        # ---- the baseline on this rank
+        sl = slice(rank * El, (rank + 1) * El)
+        x = xs[rank].to(device).requires_grad_()
+        tw = ws[rank].to(device).requires_grad_()
+        wg = Wg[sl].to(device).requires_grad_()
+        wu = Wu[sl].to(device).requires_grad_()
+        wd = Wd[sl].to(device).requires_grad_()
+        shared = [t.to(device).requires_grad_() for t in (Sg, Su, Sd)] if Is else [None] * 3
+        out = baseline_forward(x, idxs[rank].to(device), tw, wg, wu, wd, *shared, group=group,
+                               activation=cfg["activation"], limit=cfg["limit"],
+                               fused_gate_up=cfg["fused"])
+        out.backward(douts[rank].to(device))
+
+        # ---- fp32 reference of the whole group (every rank computes it, compares its own part)
+        f32 = torch.float32
+        rx = [t.to(device, f32).requires_grad_() for t in xs]
+        rw = [t.to(device, f32).requires_grad_() for t in ws]
+        rWg, rWu, rWd = (t.to(device, f32).requires_grad_() for t in (Wg, Wu, Wd))
+        rS = [[t.to(device, f32).requires_grad_() for t in (Sg, Su, Sd)] if Is else [None] * 3
+              for _ in range(R)]
+        loss = 0
+        routs = []
+        for r in range(R):
+            o = reference_forward_fp32(rx[r], idxs[r].to(device), rw[r], rWg, rWu, rWd, *rS[r],
+                                       activation=cfg["activation"], limit=cfg["limit"])
+            routs.append(o)
+            loss = loss + (o * douts[r].to(device, f32)).sum()
+        loss.backward()
+
+        errs = {
+            "out": _rel_err(out, routs[rank]),
+            "d_x": _rel_err(x.grad, rx[rank].grad),
+            "d_topk_weights": _rel_err(tw.grad, rw[rank].grad),
+            "d_w_gate": _rel_err(wg.grad, rWg.grad[sl]),
+            "d_w_up": _rel_err(wu.grad, rWu.grad[sl]),
+            "d_w_down": _rel_err(wd.grad, rWd.grad[sl]),
+        }
+        if Is:
+            for name, mine, ref in zip(("d_ws_gate", "d_ws_up", "d_ws_down"), shared, rS[rank]):
+                errs[name] = _rel_err(mine.grad, ref.grad)
+        # the empty expert (global E-1, on the last rank) must get exactly zero gradients
+        empty_ok = True
+        if rank == R - 1:
+            empty_ok = all(bool((t.grad[El - 1] == 0).all()) for t in (wg, wu, wd))
+        e_t = torch.tensor([max(errs.values()), 0.0 if empty_ok else 1.0], device=device)
+        if R > 1:
+            dist.all_reduce(e_t, op=dist.ReduceOp.MAX, group=group)
+        if rank == 0:
+            detail = ", ".join(f"{n} {v:.2e}" for n, v in errs.items())
+            print(f"[check] {cfg['name']:24s} R={R} T={tokens} H={H} I={I} E={E} k={k} Is={Is}: "
+                  f"max rel err (all ranks) {e_t[0].item():.3e}; rank0: {detail}; "
+                  f"empty expert grads zero: {e_t[1].item() == 0}", flush=True)
+        worst = max(worst, e_t[0].item())
+        assert e_t[0].item() < 2e-2, f"{cfg['name']}: max relative error {e_t[0].item():.3e} >= 2e-2"
+        assert e_t[1].item() == 0, f"{cfg['name']}: the empty expert got nonzero gradients"
+    if rank == 0:
+        print(f"[check] PASSED (worst max relative error {worst:.3e} < 2e-2)", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Benchmark
+# --------------------------------------------------------------------------------------------
+
+def _driver_version():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else "unknown"
+    except Exception:
+        return "unknown"
+
+
+def _commit():
+    env = os.environ.get("POUNCE_COMMIT")
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=here, timeout=30)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except Exception:
+        pass
+    return env or "unknown"
+
+
+def _make_inputs(T, H, E, k, seed, device):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, H, generator=gen, device=device, dtype=torch.bfloat16)
+    idx = torch.rand(T, E, generator=gen, device=device).topk(k, dim=1).indices   # distinct, uniform
+    w = torch.randn(T, k, generator=gen, device=device).softmax(-1)
+    dout = torch.randn(T, H, generator=gen, device=device, dtype=torch.bfloat16)
+    return x, idx, w, dout
+
+
+def _time_iterations(prep, run, nsets, warmup, iters, group, device):
+    """Per-iteration CUDA-event times, maxed over ranks; ranks aligned before every iteration."""
+    tiny = torch.zeros(1, device=device)
+    for i in range(warmup):
+        prep(i % nsets)
+        run(i % nsets)
+    torch.cuda.synchronize()
+    events = []
+    for i in range(iters):
+        s = i % nsets
+        prep(s)
+        dist.all_reduce(tiny, group=group)
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(s)
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    t = torch.tensor([a.elapsed_time(b) for a, b in events], device=device, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def bench_config(preset, cfg, T, passes, args, rank, R, group, device, meta):
+    H, I, E, k = cfg["hidden"], cfg["intermediate"], cfg["experts"], cfg["topk"]
+    Is, act, limit = cfg["shared_intermediate"], cfg["activation"], cfg["limit"]
+    assert E % R == 0, f"{preset}: experts {E} not divisible by ranks {R}"
+    El = E // R
+    bf = torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(args.seed + 7919 * rank)
+
+    def param(*shape, fan_in):
+        t = torch.randn(*shape, generator=gen, device=device, dtype=bf)
+        return t.mul_(fan_in ** -0.5).requires_grad_()
+
+    w_gate, w_up, w_down = param(El, I, H, fan_in=H), param(El, I, H, fan_in=H), param(El, H, I, fan_in=I)
+    shared = [param(Is, H, fan_in=H), param(Is, H, fan_in=H), param(H, Is, fan_in=Is)] if Is else []
+    params = [w_gate, w_up, w_down] + shared
+    sets = [_make_inputs(T, H, E, k, args.seed + 1000 * rank + s + 1, device) for s in range(args.sets)]
+    sets = [(x.requires_grad_(), idx, w.requires_grad_(), d) for x, idx, w, d in sets]
+
+    # useful work on this rank (pairs actually present), and rows that cross to another rank
+    pairs = sum(int((idx >= 0).sum()) for _, idx, _, _ in sets) / len(sets)
+    remote = sum(int(((idx >= 0) & (idx // El != rank)).sum()) for _, idx, _, _ in sets) / len(sets)
+    flops_fwd = 6.0 * (pairs * H * I + T * H * Is)
+    stat = torch.tensor([flops_fwd, remote], device=device, dtype=torch.float64)
+    dist.all_reduce(stat, group=group)
+    flops_fwd, remote = (stat / R).tolist()
+    a2a_bytes_fwd = 2 * remote * H * 2       # dispatch + combine rows, bf16
+
+    def fwd(s):
+        x, idx, w, _ = sets[s]
+        return baseline_forward(x, idx, w, w_gate, w_up, w_down, *shared, group=group,
+                                activation=act, limit=limit, fused_gate_up=args.fused_gate_up)
+
+    def zero_grads(s):
+        for p in params + [sets[s][0], sets[s][2]]:
+            p.grad = None
+
+    def run_fwd(s):
+        fwd(s)
+
+    def run_fwd_bwd(s):
+        fwd(s).backward(sets[s][3])
+
+    records = []
+    for pss in passes:
+        if pss == "forward":
+            times = _time_iterations(zero_grads, run_fwd, args.sets, args.warmup, args.iters, group, device)
+            flops, a2a = flops_fwd, a2a_bytes_fwd
+        elif pss == "forward_backward":
+            times = _time_iterations(zero_grads, run_fwd_bwd, args.sets, args.warmup, args.iters, group, device)
+            flops, a2a = 3 * flops_fwd, 2 * a2a_bytes_fwd
+        else:
+            raise ValueError(f"--passes: unknown pass {pss!r} (forward | forward_backward)")
+        med = statistics.median(times)
+        rec = dict(impl="baseline", **{"pass": pss}, preset=preset, ranks=R, tokens_per_rank=T,
+                   precision="bf16", median_ms=round(med, 4), tflops=round(flops / (med * 1e-3) / 1e12, 2),
+                   min_ms=round(min(times), 4), max_ms=round(max(times), 4),
+                   a2a_gbps=round(a2a / (med * 1e-3) / 1e9, 1),
+                   hidden=H, intermediate=I, experts=E, topk=k, shared_intermediate=Is,
+                   activation=act, limit=limit, fused_gate_up=bool(args.fused_gate_up),
+                   iters=args.iters, warmup=args.warmup, input_sets=args.sets, **meta)
+        records.append(rec)
+        if rank == 0:
+            print(f"  {preset:20s} T={T:6d} {pss:17s} median {med:9.3f} ms  {rec['tflops']:7.1f} TFLOP/s"
+                  f"  (min {min(times):.3f}, max {max(times):.3f}; a2a {rec['a2a_gbps']:.0f} GB/s)",
+                  flush=True)
+    del sets, params, shared, w_gate, w_up, w_down
+    torch.cuda.empty_cache()
+    return records
+
+
+def _parse_args(argv=None):
+    p = argparse.ArgumentParser(description="PyTorch expert-parallel MoE baseline (run under torchrun)")
+    p.add_argument("--preset", default="qwen3-30b-a3b",
+                   help="comma list of: " + ", ".join(PRESETS) + ", custom")
+    p.add_argument("--tokens", default="8192", help="tokens per rank, comma list")
+    p.add_argument("--passes", default="forward,forward_backward", help="forward,forward_backward")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--sets", type=int, default=4, help="input sets rotated so L2 does not hold them (>= 3)")
+    p.add_argument("--seed", type=int, default=2026)
+    p.add_argument("--json", default=None, help="write the records (a JSON list) here")
+    p.add_argument("--check", action="store_true", help="correctness self-check against an fp32 reference")
+    p.add_argument("--fused-gate-up", action="store_true",
+                   help="one [2I] grouped GEMM for gate and up (concatenates the weights every call)")
+    # custom shape
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--intermediate", type=int)
+    p.add_argument("--experts", type=int)
+    p.add_argument("--topk", type=int)
+    p.add_argument("--shared-intermediate", type=int, default=0)
+    p.add_argument("--activation", choices=["swiglu", "gptoss"], default="swiglu")
+    p.add_argument("--limit", type=float, default=None)
+    args = p.parse_args(argv)
+    if args.sets < 3:
+        p.error("--sets must be >= 3")
+    return args
+
+
+def _preset_config(name, args):
+    if name == "custom":
+        missing = [o for o in ("hidden", "intermediate", "experts", "topk") if getattr(args, o) is None]
+        if missing:
+            raise SystemExit("--preset custom needs " + ", ".join("--" + m for m in missing))
+        return dict(hidden=args.hidden, intermediate=args.intermediate, experts=args.experts,
+                    topk=args.topk, shared_intermediate=args.shared_intermediate,
+                    activation=args.activation, limit=args.limit)
+    if name not in PRESETS:
+        raise SystemExit(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}, custom")
+    return dict(PRESETS[name])
+
+
+def main(argv=None):
+    args = _parse_args(argv)
+    if "RANK" in os.environ:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+            device = torch.device("cuda", local_rank)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            device = torch.device("cpu")
+            dist.init_process_group("gloo")
+        group = dist.group.WORLD
+        R, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        group, R, rank = None, 1, 0
+
+    try:
+        if args.check:
+            run_check(rank, R, group, device)
+            return
+        if device.type != "cuda":
+            raise SystemExit("the benchmark needs CUDA GPUs")
+        if group is None:
+            # benchmark timing uses collectives: run a one-rank group
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29511")
+            dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+            group = dist.group.WORLD
+        meta = dict(gpu=torch.cuda.get_device_name(device), driver=_driver_version(),
+                    cuda=torch.version.cuda,
+                    nccl=".".join(str(v) for v in torch.cuda.nccl.version()),
+                    torch=torch.__version__, commit=_commit(),
+                    command=f"torchrun --nproc-per-node={R} " + " ".join(sys.argv),
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        presets = [s.strip() for s in args.preset.split(",") if s.strip()]
+        tokens = [int(s) for s in args.tokens.split(",") if s.strip()]
+        passes = [s.strip() for s in args.passes.split(",") if s.strip()]
+        if rank == 0:
+            print(f"baseline: {R} x {meta['gpu']}, torch {torch.__version__}, CUDA {meta['cuda']}, "
+                  f"NCCL {meta['nccl']}, driver {meta['driver']}; median of {args.iters} iterations "
+                  f"(per-iteration max over ranks), {args.sets} rotated input sets", flush=True)
+        records = []
+        for name in presets:
+            cfg = _preset_config(name, args)
+            for T in tokens:
+                records += bench_config(name, cfg, T, passes, args, rank, R, group, device, meta)
+        if rank == 0:
+            print()
+            print(f"| preset | tokens/rank | pass | median ms | TFLOP/s |")
+            print(f"|---|---|---|---|---|")
+            for r in records:
+                print(f"| {r['preset']} | {r['tokens_per_rank']} | {r['pass']} | {r['median_ms']:.3f} "
+                      f"| {r['tflops']:.1f} |")
+            if args.json:
+                os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+                with open(args.json, "w") as f:
+                    json.dump(records, f, indent=1)
+                print(f"wrote {len(records)} records to {args.json}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

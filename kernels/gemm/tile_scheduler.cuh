@@ -1,0 +1,74 @@
+// Persistent tile scheduler over expert-grouped rows: CTA b visits tiles b, b + grid, b + 2 grid, ...
+//
+// Tiles are numbered group by group (group g owns m-blocks [offset[g] / BLOCK_M, offset[g + 1] / BLOCK_M)).
+// Inside a group, m-blocks are visited in chunks of kMChunk: all n-blocks of one chunk, m fastest, before
+// the next chunk. Concurrent CTAs then share both the chunk's A rows and each weight n-block in L2, even for
+// a single huge group (the shared expert). The valid row count is read on the device, never on the host.
+#pragma once
+
+#include <cstdint>
+
+namespace pounce::kernels::gemm {
+
+struct Tile {
+  int32_t m_block;  // global row block: rows [m_block * BLOCK_M, +BLOCK_M)
+  int32_t n_block;  // output column block
+  int32_t group;    // expert (weight) index
+};
+
+template <int BLOCK_M, int kMChunk>
+class TileScheduler {
+ public:
+  // group_row_offset is read with plain loads: it was written by an earlier kernel in stream order.
+  __device__ TileScheduler(const int32_t* group_row_offset, int num_groups, int32_t max_m_blocks,
+                           int32_t num_n_blocks)
+      : offsets_(group_row_offset),
+        num_groups_(num_groups),
+        max_m_blocks_(max_m_blocks),
+        num_n_blocks_(num_n_blocks),
+        tile_idx_(static_cast<int32_t>(blockIdx.x)) {
+    num_tiles_ = (offsets_[num_groups_] / BLOCK_M) * num_n_blocks_;
+    begin_m_ = offsets_[0] / BLOCK_M;
+    end_m_ = offsets_[1] / BLOCK_M;
+  }
+
+  // True when the rows claimed by group_row_offset exceed the capacity (those tiles are skipped).
+  __device__ bool overflows_capacity() const { return num_tiles_ > max_m_blocks_ * num_n_blocks_; }
+
+  __device__ bool next(Tile& tile) {
+    while (tile_idx_ < num_tiles_) {
+      while (group_ + 1 < num_groups_ && tile_idx_ >= end_m_ * num_n_blocks_) {
+        ++group_;
+        begin_m_ = offsets_[group_] / BLOCK_M;
+        end_m_ = offsets_[group_ + 1] / BLOCK_M;
+      }
+      const int32_t local = tile_idx_ - begin_m_ * num_n_blocks_;
+      const int32_t chunk_tiles = kMChunk * num_n_blocks_;
+      const int32_t chunk = local / chunk_tiles;
+      const int32_t within = local - chunk * chunk_tiles;
+      const int32_t group_m_blocks = end_m_ - begin_m_;
+      const int32_t chunk_m_blocks = min(kMChunk, group_m_blocks - chunk * kMChunk);
+      tile_idx_ += static_cast<int32_t>(gridDim.x);
+      if (chunk_m_blocks <= 0) continue;  // only with malformed (decreasing) offsets
+      tile.m_block = begin_m_ + chunk * kMChunk + within % chunk_m_blocks;
+      tile.n_block = within / chunk_m_blocks;
+      tile.group = group_;
+      if (tile.m_block >= max_m_blocks_) continue;  // beyond capacity: never touch those rows
+      return true;
+    }
+    return false;
+  }
+
+ private:
+  const int32_t* offsets_;
+  int num_groups_;
+  int32_t max_m_blocks_;
+  int32_t num_n_blocks_;
+  int32_t tile_idx_;
+  int32_t num_tiles_ = 0;
+  int group_ = 0;
+  int32_t begin_m_ = 0;
+  int32_t end_m_ = 0;
+};
+
+}  // namespace pounce::kernels::gemm

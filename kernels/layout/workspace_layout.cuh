@@ -1,0 +1,211 @@
+// The GPU workspace of one rank (DESIGN.md §2-§4): ONE struct that lists every region, its size
+// formula and its offset. Host code sizes and carves the allocation with it; kernels receive the carved
+// pointers (WorkspacePointers) by value. Usable from host and device code.
+//
+// Two allocations per rank:
+//   symmetric — NCCL window (ncclMemAlloc + ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC)); every
+//               rank has the same layout, so a peer's region is peer_base[p] + the same offset.
+//               With one rank it is plain cudaMalloc memory and no NCCL is involved.
+//   local     — cudaMalloc, private to the rank: the receive schedule and the forward context that
+//               backward consumes (routed g/u/act/y rows, shared-expert rows).
+// Sizes use worst cases only (dropless): nothing depends on the routing of a call.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define POUNCE_HOST_DEVICE __host__ __device__
+#else
+#define POUNCE_HOST_DEVICE
+#endif
+
+namespace pounce::layout {
+
+inline constexpr int64_t kBlockM = 128;           // GEMM tile height; equals pounce::kBlockM
+inline constexpr int64_t kRegionAlign = 256;       // every region starts 256-byte aligned
+inline constexpr int64_t kSymmetricAlign = 4096;   // NCCL_WIN_REQUIRED_ALIGNMENT
+inline constexpr int64_t kScheduleChunk = 1024;    // routing entries (token, slot) per schedule warp
+inline constexpr int64_t kBf16Bytes = 2;
+
+POUNCE_HOST_DEVICE constexpr int64_t round_up(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+POUNCE_HOST_DEVICE constexpr int64_t ceil_div(int64_t value, int64_t divisor) {
+  return (value + divisor - 1) / divisor;
+}
+POUNCE_HOST_DEVICE constexpr int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// One row of the receive schedule (mirrors reference::ScheduleRow); padding rows are all -1.
+struct ScheduleEntry {
+  int32_t src_rank;
+  int32_t src_token;
+  int32_t slot;
+  int32_t reserved;  // -1; keeps an entry one 16-byte load
+};
+
+// Errors found on the device land here (host-mapped pinned memory, outside the workspace formula:
+// sizeof(DeviceErrorRecord) bytes). The first error wins through a claim flag in the local region;
+// `code` is written last, after a system fence, so the host never reads a half-written record.
+enum class DeviceErrorCode : int32_t {
+  kNone = 0,
+  kWaitTimeout = 1,         // a bounded spin-wait expired: which wait, rank, peer, expected, observed
+  kExpertOutOfRange = 2,    // topk_idx value out of range: source rank, token, slot, value
+  kScheduleOverflow = 3,    // more rows than rows_capacity (duplicate expert ids within a token)
+};
+enum class WaitId : int32_t { kNone = 0, kRoutingBarrier = 1, kCombineBarrier = 2 };
+
+struct DeviceErrorRecord {
+  int32_t code;      // DeviceErrorCode
+  int32_t wait_id;   // WaitId for kWaitTimeout
+  int32_t rank;      // rank that recorded it
+  int32_t peer;      // peer waited on / source rank of a bad routing entry
+  int64_t expected;  // barrier epoch expected / E (number of experts) / rows_capacity
+  int64_t observed;  // barrier epoch observed / bad expert id / rows needed
+  int64_t token;     // token of a bad routing entry
+  int64_t slot;      // top-k slot of a bad routing entry
+};
+
+// Sizes of one rank's workspace. Every member is a byte offset into its allocation or a size; the
+// formulas are the contract with Workspace::bytes_required (src/gpu/workspace.cu reports them).
+struct WorkspaceLayout {
+  // Shape (per rank).
+  int64_t max_tokens = 0, hidden = 0, intermediate = 0, shared_intermediate = 0;
+  int64_t num_experts = 0, num_topk = 0, num_ranks = 1, num_local_experts = 0;
+
+  // Derived extents.
+  int64_t rows_capacity = 0;       // round_up(R * max_tokens * min(k, El) + El * (BLOCK_M - 1), BLOCK_M)
+  int64_t token_capacity = 0;      // round_up(max_tokens, BLOCK_M): shared-expert rows, T padded
+  int64_t routing_stride = 0;      // round_up(max_tokens * k, 4) int32 entries per source rank
+  int64_t max_chunks = 0;          // ceil(max_tokens * k / kScheduleChunk), at least 1
+
+  // ---- symmetric allocation (same offsets on every rank) ----
+  int64_t sym_barrier_inbox = 0;   // uint32 [R]: epoch each peer last arrived with
+  int64_t sym_routing_tokens = 0;  // int32 [R]: T of each source rank
+  int64_t sym_routing_idx = 0;     // int32 [R][routing_stride]: topk_idx of each source rank
+  int64_t sym_x = 0;               // bf16 [token_capacity][H]: this rank's x, rows >= T zeroed
+  int64_t sym_y_slots = 0;         // bf16 [max_tokens][k][H]: expert output per (token, slot)
+  int64_t symmetric_bytes = 0;     // rounded up to 4096
+
+  // ---- local allocation ----
+  int64_t loc_peer_base = 0;          // uint64 [R]: symmetric base of every peer in this address space
+  int64_t loc_barrier_epoch = 0;      // uint32 [1]: epochs completed by this rank's phase barrier
+  int64_t loc_error_claim = 0;        // int32 [1]: first error claims the host record
+  int64_t loc_chunk_counts = 0;       // int32 [R][max_chunks][El]: pairs per (source, chunk, expert)
+  int64_t loc_expert_src_count = 0;   // int32 [El][R]: pairs per (local expert, source)
+  int64_t loc_group_row_offset = 0;   // int32 [El + 1]: padded segment offsets (multiples of 128)
+  int64_t loc_shared_row_offset = 0;  // int32 [2]: {0, round_up(T, 128)} for the shared expert
+  int64_t loc_schedule = 0;           // ScheduleEntry [rows_capacity]
+  int64_t loc_x_rows = 0;             // bf16 [rows_capacity][H]: dispatched token rows, padding = 0
+  int64_t loc_g_rows = 0;             // bf16 [rows_capacity][I]
+  int64_t loc_u_rows = 0;             // bf16 [rows_capacity][I]
+  int64_t loc_act_rows = 0;           // bf16 [rows_capacity][I]
+  int64_t loc_y_rows = 0;             // bf16 [rows_capacity][H]: routed expert outputs
+  int64_t loc_shared_g = 0;           // bf16 [token_capacity][Is]   (0 bytes when Is = 0)
+  int64_t loc_shared_u = 0;           // bf16 [token_capacity][Is]
+  int64_t loc_shared_act = 0;         // bf16 [token_capacity][Is]
+  int64_t loc_shared_y = 0;           // bf16 [token_capacity][H]    (0 bytes when Is = 0)
+  int64_t local_bytes = 0;
+
+  static WorkspaceLayout make(int64_t max_tokens, int64_t hidden, int64_t intermediate,
+                              int64_t shared_intermediate, int64_t num_experts, int64_t num_topk,
+                              int64_t num_ranks) {
+    WorkspaceLayout l;
+    l.max_tokens = max_tokens;
+    l.hidden = hidden;
+    l.intermediate = intermediate;
+    l.shared_intermediate = shared_intermediate;
+    l.num_experts = num_experts;
+    l.num_topk = num_topk;
+    l.num_ranks = num_ranks;
+    l.num_local_experts = num_experts / num_ranks;
+    const int64_t R = num_ranks, El = l.num_local_experts, k = num_topk, H = hidden, I = intermediate;
+    const int64_t Is = shared_intermediate;
+
+    l.rows_capacity = round_up(R * max_tokens * min_i64(k, El) + El * (kBlockM - 1), kBlockM);
+    l.token_capacity = round_up(max_tokens, kBlockM);
+    l.routing_stride = round_up(max_tokens * k, 4);
+    l.max_chunks = ceil_div(max_tokens * k, kScheduleChunk) > 0 ? ceil_div(max_tokens * k, kScheduleChunk) : 1;
+
+    int64_t at = 0;
+    auto carve = [&at](int64_t bytes) {
+      const int64_t offset = at;
+      at = round_up(at + bytes, kRegionAlign);
+      return offset;
+    };
+    l.sym_barrier_inbox = carve(R * 4);
+    l.sym_routing_tokens = carve(R * 4);
+    l.sym_routing_idx = carve(R * l.routing_stride * 4);
+    l.sym_x = carve(l.token_capacity * H * kBf16Bytes);
+    l.sym_y_slots = carve(max_tokens * k * H * kBf16Bytes);
+    l.symmetric_bytes = round_up(at, kSymmetricAlign);
+
+    at = 0;
+    l.loc_peer_base = carve(R * 8);
+    l.loc_barrier_epoch = carve(4);
+    l.loc_error_claim = carve(4);
+    l.loc_chunk_counts = carve(R * l.max_chunks * El * 4);
+    l.loc_expert_src_count = carve(El * R * 4);
+    l.loc_group_row_offset = carve((El + 1) * 4);
+    l.loc_shared_row_offset = carve(2 * 4);
+    l.loc_schedule = carve(l.rows_capacity * static_cast<int64_t>(sizeof(ScheduleEntry)));
+    l.loc_x_rows = carve(l.rows_capacity * H * kBf16Bytes);
+    l.loc_g_rows = carve(l.rows_capacity * I * kBf16Bytes);
+    l.loc_u_rows = carve(l.rows_capacity * I * kBf16Bytes);
+    l.loc_act_rows = carve(l.rows_capacity * I * kBf16Bytes);
+    l.loc_y_rows = carve(l.rows_capacity * H * kBf16Bytes);
+    l.loc_shared_g = carve(l.token_capacity * Is * kBf16Bytes);
+    l.loc_shared_u = carve(l.token_capacity * Is * kBf16Bytes);
+    l.loc_shared_act = carve(l.token_capacity * Is * kBf16Bytes);
+    l.loc_shared_y = carve(Is > 0 ? l.token_capacity * H * kBf16Bytes : 0);
+    l.local_bytes = at;
+    return l;
+  }
+};
+
+// The carved pointers of one rank, passed to kernels by value. `peer_base[p]` (device array) is the
+// symmetric base of rank p as this GPU addresses it: the one "peer map" every transfer goes through,
+// so that another transport only changes how it is filled.
+struct WorkspacePointers {
+  int32_t rank;
+  int32_t num_ranks;
+  int32_t num_local_experts;
+  int32_t num_experts;
+  int32_t num_topk;
+  int64_t hidden, intermediate, shared_intermediate, max_tokens;
+  int64_t rows_capacity, token_capacity, routing_stride, max_chunks;
+  uint64_t timeout_ns;  // bound of every spin-wait
+
+  char* symmetric;                   // this rank's symmetric base
+  const uint64_t* peer_base;         // [R]
+  int64_t sym_barrier_inbox, sym_routing_tokens, sym_routing_idx, sym_x, sym_y_slots;  // offsets
+
+  uint32_t* barrier_epoch;
+  int32_t* error_claim;
+  DeviceErrorRecord* error;  // host-mapped
+  int32_t* chunk_counts;
+  int32_t* expert_src_count;
+  int32_t* group_row_offset;
+  int32_t* shared_row_offset;
+  ScheduleEntry* schedule;
+  void* x_rows;
+  void* g_rows;
+  void* u_rows;
+  void* act_rows;
+  void* y_rows;
+  void* shared_g;
+  void* shared_u;
+  void* shared_act;
+  void* shared_y;
+
+  // Address of `offset` inside rank `peer`'s symmetric allocation.
+  template <typename T>
+  POUNCE_HOST_DEVICE T* peer(int peer_rank, int64_t offset) const {
+    return reinterpret_cast<T*>(reinterpret_cast<char*>(peer_base[peer_rank]) + offset);
+  }
+  template <typename T>
+  POUNCE_HOST_DEVICE T* local_sym(int64_t offset) const {
+    return reinterpret_cast<T*>(symmetric + offset);
+  }
+};
+
+}  // namespace pounce::layout

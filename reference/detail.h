@@ -1,0 +1,277 @@
+// Internals shared by the reference's schedule, forward and backward; not part of the interface.
+//
+// Every routine is templated on the arithmetic type T:
+//   T = float  emulates Numerics::kBf16: fp32 accumulate, bf16 rounding at the points of DESIGN.md §1;
+//   T = double is Numerics::kFp64: fp64 everywhere, round_point() is the identity.
+// Products of two bf16 values are exact in fp32, so FMA contraction cannot change a kBf16 dot product;
+// the reference is still built with -ffp-contract=off so every other expression is reproducible too.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <iterator>
+#include <vector>
+
+#include "reference/bf16.h"
+#include "reference/parallel.h"
+#include "reference/reference.h"
+
+namespace pounce::reference::detail {
+
+// ---- rounding points ---------------------------------------------------------------------------------
+
+template <typename T>
+T round_point(T value);
+template <>
+inline float round_point(float value) {
+  return round_bf16(value);
+}
+template <>
+inline double round_point(double value) {
+  return value;
+}
+
+// ---- activation in T (activation.cpp) ----------------------------------------------------------------
+
+template <typename T>
+T activation_t(const Activation& act, T g, T u);
+template <typename T>
+void activation_backward_t(const Activation& act, T g, T u, T d_a, T* d_g, T* d_u);
+
+// ---- validation (validate.cpp): throws pounce::Error naming the argument, its value and the fix --------
+
+void validate_problem(const Problem& problem);
+void validate_routing(const Problem& problem, const std::vector<RankInputs>& ranks);
+void validate_inputs(const Problem& problem, const std::vector<RankInputs>& ranks,
+                     const std::vector<Weights>& routed_per_rank, const Weights& shared, bool need_d_out);
+
+// build_schedule() without validation; forward and backward validate once and build every rank's.
+RankSchedule build_schedule_unchecked(const Problem& problem, const std::vector<RankInputs>& ranks,
+                                      int64_t rank);
+
+// ---- matmul ------------------------------------------------------------------------------------------
+
+// c[rows, cols] = A[rows, depth] · b[depth, cols] with A(i, k) = a[i * a_stride_i + k * a_stride_k].
+// Every c element is one accumulator in T summed over k ascending; c is overwritten, not rounded.
+// The 4x8 register tile and the edge loop give bitwise-equal elements, so a result never depends on
+// where a row sits in a chunk.
+template <typename T>
+void matmul(const T* a, int64_t a_stride_i, int64_t a_stride_k, const T* b, int64_t rows, int64_t depth,
+            int64_t cols, T* c) {
+  constexpr int64_t kTileRows = 4;
+  constexpr int64_t kTileCols = 8;
+  for (int64_t i0 = 0; i0 < rows; i0 += kTileRows) {
+    const int64_t tile_rows = std::min(kTileRows, rows - i0);
+    for (int64_t j0 = 0; j0 < cols; j0 += kTileCols) {
+      const int64_t tile_cols = std::min(kTileCols, cols - j0);
+      if (tile_rows == kTileRows && tile_cols == kTileCols) {
+        T acc[kTileRows][kTileCols] = {};
+        for (int64_t k = 0; k < depth; ++k) {
+          const T* b_row = b + k * cols + j0;
+          for (int64_t ii = 0; ii < kTileRows; ++ii) {
+            const T a_ik = a[(i0 + ii) * a_stride_i + k * a_stride_k];
+            for (int64_t jj = 0; jj < kTileCols; ++jj) acc[ii][jj] += a_ik * b_row[jj];
+          }
+        }
+        for (int64_t ii = 0; ii < kTileRows; ++ii) {
+          for (int64_t jj = 0; jj < kTileCols; ++jj) c[(i0 + ii) * cols + j0 + jj] = acc[ii][jj];
+        }
+      } else {
+        for (int64_t ii = 0; ii < tile_rows; ++ii) {
+          for (int64_t jj = 0; jj < tile_cols; ++jj) {
+            T acc = 0;
+            for (int64_t k = 0; k < depth; ++k) {
+              acc += a[(i0 + ii) * a_stride_i + k * a_stride_k] * b[k * cols + j0 + jj];
+            }
+            c[(i0 + ii) * cols + j0 + jj] = acc;
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- one expert MLP in the layouts its row loops read contiguously -------------------------------------
+
+template <typename T>
+struct ExpertMatrices {
+  int64_t hidden = 0;        // H
+  int64_t intermediate = 0;  // I (or Is)
+  std::vector<T> gate_up_t;  // [H, 2I]: column i is gate row i, column I + i is up row i
+  std::vector<T> down_t;     // [I, H]
+  std::vector<T> down;       // [H, I]  backward only
+  std::vector<T> gate_up;    // [2I, H]: row 2i is gate row i, row 2i + 1 is up row i; backward only
+};
+
+// gate, up [I, H], down [H, I] in double -> T.
+template <typename T>
+ExpertMatrices<T> make_expert_matrices(const double* gate, const double* up, const double* down,
+                                       int64_t hidden, int64_t intermediate, bool for_backward) {
+  const int64_t H = hidden, I = intermediate;
+  ExpertMatrices<T> m;
+  m.hidden = H;
+  m.intermediate = I;
+  m.gate_up_t.resize(H * 2 * I);
+  m.down_t.resize(I * H);
+  for (int64_t i = 0; i < I; ++i) {
+    for (int64_t h = 0; h < H; ++h) {
+      m.gate_up_t[h * 2 * I + i] = static_cast<T>(gate[i * H + h]);
+      m.gate_up_t[h * 2 * I + I + i] = static_cast<T>(up[i * H + h]);
+      m.down_t[i * H + h] = static_cast<T>(down[h * I + i]);
+    }
+  }
+  if (for_backward) {
+    m.down.resize(H * I);
+    for (int64_t n = 0; n < H * I; ++n) m.down[n] = static_cast<T>(down[n]);
+    m.gate_up.resize(2 * I * H);
+    for (int64_t i = 0; i < I; ++i) {
+      for (int64_t h = 0; h < H; ++h) {
+        m.gate_up[(2 * i) * H + h] = static_cast<T>(gate[i * H + h]);
+        m.gate_up[(2 * i + 1) * H + h] = static_cast<T>(up[i * H + h]);
+      }
+    }
+  }
+  return m;
+}
+
+// Forward of `rows` independent rows (DESIGN.md §1):
+//   gu = round(x · [w_gate; w_up]^T)  [rows, 2I]   (g in columns [0, I), u in [I, 2I))
+//   a  = round(act(g, u))             [rows, I]
+//   y  = round(a · w_down^T)          [rows, H]
+template <typename T>
+void mlp_forward_rows(const ExpertMatrices<T>& w, const Activation& act, const T* x, int64_t rows, T* gu, T* a,
+                      T* y) {
+  const int64_t H = w.hidden, I = w.intermediate;
+  matmul(x, H, 1, w.gate_up_t.data(), rows, H, 2 * I, gu);
+  for (int64_t n = 0; n < rows * 2 * I; ++n) gu[n] = round_point(gu[n]);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < I; ++i) {
+      a[r * I + i] = round_point(activation_t<T>(act, gu[r * 2 * I + i], gu[r * 2 * I + I + i]));
+    }
+  }
+  matmul(a, I, 1, w.down_t.data(), rows, I, H, y);
+  for (int64_t n = 0; n < rows * H; ++n) y[n] = round_point(y[n]);
+}
+
+// Data backward of `rows` rows, given the forward's gu and the output gradient dy [rows, H]:
+//   d_a  = round(dy · w_down)                         [rows, I]   (scratch)
+//   d_gu = round(act'(g, u) d_a), d_g at 2i, d_u at 2i+1 [rows, 2I]
+//   d_x  = round(sum_i d_g[i] w_gate[i, :] + d_u[i] w_up[i, :])  [rows, H], one accumulator, i ascending
+template <typename T>
+void mlp_backward_rows(const ExpertMatrices<T>& w, const Activation& act, const T* gu, const T* dy,
+                       int64_t rows, T* d_a, T* d_gu, T* d_x) {
+  const int64_t H = w.hidden, I = w.intermediate;
+  matmul(dy, H, 1, w.down.data(), rows, H, I, d_a);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < I; ++i) {
+      T d_g, d_u;
+      activation_backward_t<T>(act, gu[r * 2 * I + i], gu[r * 2 * I + I + i], round_point(d_a[r * I + i]),
+                               &d_g, &d_u);
+      d_gu[r * 2 * I + 2 * i] = round_point(d_g);
+      d_gu[r * 2 * I + 2 * i + 1] = round_point(d_u);
+    }
+  }
+  matmul(d_gu, 2 * I, 1, w.gate_up.data(), rows, 2 * I, H, d_x);
+  for (int64_t n = 0; n < rows * H; ++n) d_x[n] = round_point(d_x[n]);
+}
+
+// ---- the whole group's inputs in T, every rank's schedule, and the row chunks tasks work on -------------
+
+template <typename T>
+struct GroupData {
+  std::vector<RankSchedule> schedules;                  // [R]
+  std::vector<std::vector<T>> x;                        // [R][T_r, H]
+  std::vector<std::vector<T>> topk_weights;             // [R][T_r, k]
+  std::vector<std::vector<T>> d_out;                    // [R][T_r, H], backward only
+  std::vector<std::vector<ExpertMatrices<T>>> experts;  // [R][El]
+  ExpertMatrices<T> shared;                             // unused when Is = 0
+};
+
+template <typename T>
+std::vector<T> to_t(const std::vector<double>& values) {
+  return std::vector<T>(values.begin(), values.end());
+}
+
+// Inputs must have passed validate_inputs().
+template <typename T>
+GroupData<T> make_group_data(const Problem& p, const std::vector<RankInputs>& ranks,
+                             const std::vector<Weights>& routed_per_rank, const Weights& shared,
+                             bool for_backward) {
+  const int64_t R = p.num_ranks, El = p.num_local_experts(), H = p.hidden, I = p.intermediate;
+  GroupData<T> group;
+  group.x.resize(R);
+  group.topk_weights.resize(R);
+  group.d_out.resize(R);
+  group.experts.resize(R);
+  for (int64_t r = 0; r < R; ++r) {
+    group.schedules.push_back(build_schedule_unchecked(p, ranks, r));
+    group.x[r] = to_t<T>(ranks[r].x);
+    group.topk_weights[r] = to_t<T>(ranks[r].topk_weights);
+    if (for_backward) group.d_out[r] = to_t<T>(ranks[r].d_out);
+  }
+  // [R * El] expert layouts, built in parallel: each task fills its own slot.
+  std::vector<ExpertMatrices<T>> flat(R * El);
+  parallel_for(R * El, p.num_threads, [&](int64_t task) {
+    const int64_t r = task / El, le = task % El;
+    const Weights& w = routed_per_rank[r];
+    flat[task] = make_expert_matrices<T>(w.gate.data() + le * I * H, w.up.data() + le * I * H,
+                                         w.down.data() + le * H * I, H, I, for_backward);
+  });
+  for (int64_t r = 0; r < R; ++r) {
+    group.experts[r].assign(std::make_move_iterator(flat.begin() + r * El),
+                            std::make_move_iterator(flat.begin() + (r + 1) * El));
+  }
+  if (p.shared_intermediate > 0) {
+    group.shared = make_expert_matrices<T>(shared.gate.data(), shared.up.data(), shared.down.data(), H,
+                                           p.shared_intermediate, for_backward);
+  }
+  return group;
+}
+
+// Rows [begin, end) of one task: schedule rows of local expert `expert` on `rank` (padding excluded),
+// or, for expert = kSharedExpert, tokens of `rank` through the shared expert.
+struct RowChunk {
+  static constexpr int64_t kSharedExpert = -1;
+  int64_t rank = 0;
+  int64_t expert = 0;
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
+inline std::vector<RowChunk> make_row_chunks(const Problem& p, const std::vector<RankInputs>& ranks,
+                                             const std::vector<RankSchedule>& schedules, int64_t rows_per_chunk) {
+  std::vector<RowChunk> chunks;
+  for (int64_t r = 0; r < p.num_ranks; ++r) {
+    const RankSchedule& s = schedules[r];
+    for (int64_t le = 0; le < p.num_local_experts(); ++le) {
+      const int64_t first = s.expert_row_offset[le], last = first + s.expert_num_rows[le];
+      for (int64_t m = first; m < last; m += rows_per_chunk) {
+        chunks.push_back({r, le, m, std::min(m + rows_per_chunk, last)});
+      }
+    }
+    if (p.shared_intermediate > 0) {
+      for (int64_t t = 0; t < ranks[r].num_tokens; t += rows_per_chunk) {
+        chunks.push_back({r, RowChunk::kSharedExpert, t, std::min(t + rows_per_chunk, ranks[r].num_tokens)});
+      }
+    }
+  }
+  return chunks;
+}
+
+// Token ranges [begin, end) of every rank, for the per-token combine tasks (expert is unused).
+inline std::vector<RowChunk> make_token_chunks(const std::vector<RankInputs>& ranks, int64_t tokens_per_chunk) {
+  std::vector<RowChunk> chunks;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    for (int64_t t = 0; t < ranks[r].num_tokens; t += tokens_per_chunk) {
+      chunks.push_back({static_cast<int64_t>(r), 0, t, std::min(t + tokens_per_chunk, ranks[r].num_tokens)});
+    }
+  }
+  return chunks;
+}
+
+template <typename T>
+std::vector<double> to_double(const std::vector<T>& values) {
+  return std::vector<double>(values.begin(), values.end());
+}
+
+}  // namespace pounce::reference::detail

@@ -1,0 +1,41 @@
+#include "pounce/workspace.h"
+
+#include "pounce/error.h"
+#include "src/cpu_backend.h"
+#include "src/state.h"
+
+namespace pounce {
+
+Workspace::Workspace(const Group& group, const Shape& shape, const Config& config) {
+  validate(shape);
+  validate(config, shape);
+  POUNCE_CHECK(shape.num_ranks == group.num_ranks(), "shape.num_ranks = ", shape.num_ranks,
+               " but the group has ", group.num_ranks(), " ranks; set shape.num_ranks = group.num_ranks()");
+  POUNCE_CHECK(config.backend == Backend::kAuto || config.backend == group.backend(), "config.backend = ",
+               to_string(config.backend), " but the group runs on ", to_string(group.backend()),
+               "; create the group on the backend you want (or leave config.backend = auto)");
+  POUNCE_CHECK(group.backend() == Backend::kGpu || config.precision == Precision::kBF16,
+               "config.precision = fp8 runs on GPUs only; use bf16 on the CPU backend");
+  state_ = std::make_unique<WorkspaceState>(group, shape, config);
+  if (group.backend() == Backend::kCpu) {
+    cpu::create_workspace(*state_);
+  } else {
+    state_->gpu = gpu::create_workspace(group.state().gpu, group.rank(), shape, config);
+  }
+}
+
+Workspace::~Workspace() = default;
+Workspace::Workspace(Workspace&&) noexcept = default;
+Workspace& Workspace::operator=(Workspace&&) noexcept = default;
+
+WorkspaceBytes Workspace::bytes_required(const Shape& shape, const Config& config) {
+  validate(shape);
+  validate(config, shape);
+  return gpu::workspace_bytes(shape, config);
+}
+
+const Shape& Workspace::shape() const { return state_->shape; }
+const Config& Workspace::config() const { return state_->config; }
+const Group& Workspace::group() const { return state_->group; }
+
+}  // namespace pounce
