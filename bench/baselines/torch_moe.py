@@ -106,7 +106,9 @@ def _route(topk_idx, num_experts, R, group):
     flat = topk_idx.reshape(-1).long()
     key = torch.where(flat >= 0, flat, torch.full_like(flat, num_experts))  # unused slots sort last
     order = torch.argsort(key, stable=True)
-    send_counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]     # [E]
+    # (scatter_add rather than bincount: CUDA bincount syncs with the host to size its output)
+    send_counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(
+        0, key, torch.ones_like(key))[:num_experts]                                  # [E]
     if R > 1:
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=group)               # [R*El]
@@ -197,11 +199,26 @@ def baseline_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down,
 # fp32 reference for --check (whole EP group in one process, dense per slot)
 # --------------------------------------------------------------------------------------------
 
+def _bf16_values(t):
+    """t rounded to bf16 values, with an identity (fp32) gradient."""
+    return t + (t.to(torch.bfloat16).float() - t).detach()
+
+
 def reference_forward_fp32(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate=None,
                            ws_up=None, ws_down=None, activation="swiglu", limit=None,
-                           alpha=GPTOSS_ALPHA):
-    """All tensors fp32, weights for ALL experts [E,...]. Loops over slots, dense over tokens."""
+                           alpha=GPTOSS_ALPHA, round_gu=True):
+    """All tensors fp32, weights for ALL experts [E,...]. Loops over slots, dense over tokens.
+
+    round_gu: take g and u at their bf16 values (the rounding point of DESIGN.md section 1) so a
+    clamp `limit` masks the same elements as the bf16 layer does; gradients stay fp32. Without it
+    an element within one bf16 ulp of the limit flips between zero and full gradient.
+    """
     T, k = topk_idx.shape
+    rnd = _bf16_values if round_gu else (lambda t: t)
+
+    def act(g, u):
+        return expert_activation(rnd(g), rnd(u), activation, limit, alpha)
+
     out = torch.zeros_like(x)
     for j in range(k):
         e = topk_idx[:, j].long()
@@ -209,11 +226,11 @@ def reference_forward_fp32(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_g
         ec = e.clamp(min=0)
         g = torch.einsum("th,tih->ti", x, w_gate[ec])
         u = torch.einsum("th,tih->ti", x, w_up[ec])
-        a = expert_activation(g, u, activation, limit, alpha)
+        a = act(g, u)
         y = torch.einsum("ti,thi->th", a, w_down[ec])
         out = out + valid * topk_weights[:, j:j + 1] * y
     if ws_gate is not None and ws_gate.shape[0] > 0:
-        out = out + shared_expert(x, ws_gate, ws_up, ws_down, activation, limit, alpha)
+        out = out + F.linear(act(F.linear(x, ws_gate), F.linear(x, ws_up)), ws_down)
     return out
 
 
@@ -259,14 +276,14 @@ def run_check(rank, R, group, device):
             ws.append(torch.randn(T, k, generator=gen).softmax(-1))
             douts.append(torch.randn(T, H, generator=gen).to(bf))
 
+        def leaf(t, dtype=None):
+            return t.detach().to(device, dtype, copy=True).requires_grad_()
+
         # ---- the baseline on this rank
         sl = slice(rank * El, (rank + 1) * El)
-        x = xs[rank].to(device).requires_grad_()
-        tw = ws[rank].to(device).requires_grad_()
-        wg = Wg[sl].to(device).requires_grad_()
-        wu = Wu[sl].to(device).requires_grad_()
-        wd = Wd[sl].to(device).requires_grad_()
-        shared = [t.to(device).requires_grad_() for t in (Sg, Su, Sd)] if Is else [None] * 3
+        x, tw = leaf(xs[rank]), leaf(ws[rank])
+        wg, wu, wd = leaf(Wg[sl]), leaf(Wu[sl]), leaf(Wd[sl])
+        shared = [leaf(t) for t in (Sg, Su, Sd)] if Is else [None] * 3
         out = baseline_forward(x, idxs[rank].to(device), tw, wg, wu, wd, *shared, group=group,
                                activation=cfg["activation"], limit=cfg["limit"],
                                fused_gate_up=cfg["fused"])
@@ -274,11 +291,10 @@ def run_check(rank, R, group, device):
 
         # ---- fp32 reference of the whole group (every rank computes it, compares its own part)
         f32 = torch.float32
-        rx = [t.to(device, f32).requires_grad_() for t in xs]
-        rw = [t.to(device, f32).requires_grad_() for t in ws]
-        rWg, rWu, rWd = (t.to(device, f32).requires_grad_() for t in (Wg, Wu, Wd))
-        rS = [[t.to(device, f32).requires_grad_() for t in (Sg, Su, Sd)] if Is else [None] * 3
-              for _ in range(R)]
+        rx = [leaf(t, f32) for t in xs]
+        rw = [leaf(t, f32) for t in ws]
+        rWg, rWu, rWd = (leaf(t, f32) for t in (Wg, Wu, Wd))
+        rS = [[leaf(t, f32) for t in (Sg, Su, Sd)] if Is else [None] * 3 for _ in range(R)]
         loss = 0
         routs = []
         for r in range(R):
@@ -329,6 +345,13 @@ def _driver_version():
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 else "unknown"
     except Exception:
         return "unknown"
+
+
+def _nccl_version():
+    v = torch.cuda.nccl.version()
+    if isinstance(v, int):      # older torch: 22809 -> 2.28.9
+        v = (v // 10000, v // 100 % 100, v % 100)
+    return ".".join(str(x) for x in v)
 
 
 def _commit():
@@ -443,8 +466,6 @@ def bench_config(preset, cfg, T, passes, args, rank, R, group, device, meta):
             print(f"  {preset:20s} T={T:6d} {pss:17s} median {med:9.3f} ms  {rec['tflops']:7.1f} TFLOP/s"
                   f"  (min {min(times):.3f}, max {max(times):.3f}; a2a {rec['a2a_gbps']:.0f} GB/s)",
                   flush=True)
-    del sets, params, shared, w_gate, w_up, w_down
-    torch.cuda.empty_cache()
     return records
 
 
@@ -520,7 +541,7 @@ def main(argv=None):
             group = dist.group.WORLD
         meta = dict(gpu=torch.cuda.get_device_name(device), driver=_driver_version(),
                     cuda=torch.version.cuda,
-                    nccl=".".join(str(v) for v in torch.cuda.nccl.version()),
+                    nccl=_nccl_version(),
                     torch=torch.__version__, commit=_commit(),
                     command=f"torchrun --nproc-per-node={R} " + " ".join(sys.argv),
                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
@@ -536,6 +557,7 @@ def main(argv=None):
             cfg = _preset_config(name, args)
             for T in tokens:
                 records += bench_config(name, cfg, T, passes, args, rank, R, group, device, meta)
+                torch.cuda.empty_cache()
         if rank == 0:
             print()
             print(f"| preset | tokens/rank | pass | median ms | TFLOP/s |")
