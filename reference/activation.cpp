@@ -4,6 +4,7 @@
 //   GPT-OSS: a = (u' + 1) * g' * sigmoid(alpha * g')
 // with g' = min(g, L), u' = clamp(u, -L, L) when clamp_limit L is set, g' = g, u' = u otherwise.
 // The clamps pass no gradient where they are active (g > L, |u| > L); at the kink itself they pass it.
+#include <algorithm>
 #include <cmath>
 
 #include "reference/detail.h"
@@ -49,8 +50,8 @@ void activation_backward_t(const Activation& act, T g, T u, T d_a, T* d_g, T* d_
   }
   const T alpha = gate_alpha<T>(act);
   const T s = sigmoid(alpha * g);
-  const T gated = g * s;                                  // d a / d u (times u-factor below)
-  const T d_gated = s + alpha * g * s * (T(1) - s);      // d (g sigmoid(alpha g)) / d g
+  const T gated = g * s;                             // d a / d u' in both forms
+  const T d_gated = s + alpha * g * s * (T(1) - s);  // d (g sigmoid(alpha g)) / d g
   const T u_factor = act.kind == ActivationKind::kGptOss ? u + T(1) : u;
   *d_g = g_passes ? d_a * u_factor * d_gated : T(0);
   *d_u = u_passes ? d_a * gated : T(0);
@@ -63,7 +64,9 @@ template void activation_backward_t<double>(const Activation&, double, double, d
 
 }  // namespace detail
 
-double activation(const Activation& act, double g, double u) { return detail::activation_t<double>(act, g, u); }
+double activation(const Activation& act, double g, double u) {
+  return detail::activation_t<double>(act, g, u);
+}
 
 void activation_backward(const Activation& act, double g, double u, double d_a, double* d_g, double* d_u) {
   detail::activation_backward_t<double>(act, g, u, d_a, d_g, d_u);

@@ -139,8 +139,8 @@ ExpertMatrices<T> make_expert_matrices(const double* gate, const double* up, con
 //   a  = round(act(g, u))             [rows, I]
 //   y  = round(a · w_down^T)          [rows, H]
 template <typename T>
-void mlp_forward_rows(const ExpertMatrices<T>& w, const Activation& act, const T* x, int64_t rows, T* gu, T* a,
-                      T* y) {
+void mlp_forward_rows(const ExpertMatrices<T>& w, const Activation& act, const T* x, int64_t rows, T* gu,
+                      T* a, T* y) {
   const int64_t H = w.hidden, I = w.intermediate;
   matmul(x, H, 1, w.gate_up_t.data(), rows, H, 2 * I, gu);
   for (int64_t n = 0; n < rows * 2 * I; ++n) gu[n] = round_point(gu[n]);
@@ -239,7 +239,8 @@ struct RowChunk {
 };
 
 inline std::vector<RowChunk> make_row_chunks(const Problem& p, const std::vector<RankInputs>& ranks,
-                                             const std::vector<RankSchedule>& schedules, int64_t rows_per_chunk) {
+                                             const std::vector<RankSchedule>& schedules,
+                                             int64_t rows_per_chunk) {
   std::vector<RowChunk> chunks;
   for (int64_t r = 0; r < p.num_ranks; ++r) {
     const RankSchedule& s = schedules[r];
@@ -259,7 +260,8 @@ inline std::vector<RowChunk> make_row_chunks(const Problem& p, const std::vector
 }
 
 // Token ranges [begin, end) of every rank, for the per-token combine tasks (expert is unused).
-inline std::vector<RowChunk> make_token_chunks(const std::vector<RankInputs>& ranks, int64_t tokens_per_chunk) {
+inline std::vector<RowChunk> make_token_chunks(const std::vector<RankInputs>& ranks,
+                                               int64_t tokens_per_chunk) {
   std::vector<RowChunk> chunks;
   for (size_t r = 0; r < ranks.size(); ++r) {
     for (int64_t t = 0; t < ranks[r].num_tokens; t += tokens_per_chunk) {

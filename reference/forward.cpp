@@ -19,8 +19,7 @@ constexpr int64_t kTokensPerChunk = 64;
 template <typename T>
 std::vector<RankForward> forward_t(const Problem& p, const std::vector<RankInputs>& ranks,
                                    const std::vector<Weights>& routed_per_rank, const Weights& shared) {
-  const int64_t R = p.num_ranks, H = p.hidden, I = p.intermediate, Is = p.shared_intermediate,
-                k = p.num_topk;
+  const int64_t R = p.num_ranks, H = p.hidden, I = p.intermediate, Is = p.shared_intermediate, k = p.num_topk;
   const detail::GroupData<T> group =
       detail::make_group_data<T>(p, ranks, routed_per_rank, shared, /*for_backward=*/false);
 

@@ -57,8 +57,8 @@ RankSchedule build_schedule_unchecked(const Problem& problem, const std::vector<
 
 RankSchedule build_schedule(const Problem& problem, const std::vector<RankInputs>& ranks, int64_t rank) {
   detail::validate_routing(problem, ranks);
-  POUNCE_CHECK(rank >= 0 && rank < problem.num_ranks, "rank = ", rank, " is out of range [0, num_ranks = ",
-               problem.num_ranks, ")");
+  POUNCE_CHECK(rank >= 0 && rank < problem.num_ranks, "rank = ", rank,
+               " is out of range [0, num_ranks = ", problem.num_ranks, ")");
   return detail::build_schedule_unchecked(problem, ranks, rank);
 }
 

@@ -49,7 +49,8 @@ void check_representable(const std::string& name, const std::vector<double>& val
   for (size_t n = 0; n < values.size(); ++n) {
     const double v = values[n];
     const float as_float = static_cast<float>(v);
-    const bool exact = bf16 ? static_cast<double>(round_bf16(as_float)) == v : static_cast<double>(as_float) == v;
+    const bool exact =
+        bf16 ? static_cast<double>(round_bf16(as_float)) == v : static_cast<double>(as_float) == v;
     POUNCE_CHECK(exact || std::isnan(v), name, coordinates(static_cast<int64_t>(n), shape), " = ", v,
                  " is not a", bf16 ? " bf16" : "n fp32",
                  " value: Numerics::kBf16 emulates the device dtypes, so round inputs first (",
@@ -63,8 +64,10 @@ void check_weights(const std::string& name, const Weights& w, int64_t count, int
   auto shape = [&](int64_t rows, int64_t cols) {
     return count ? std::vector<int64_t>{count, rows, cols} : std::vector<int64_t>{rows, cols};
   };
-  const char* names_in = count ? "[num_local_experts, intermediate, hidden]" : "[shared_intermediate, hidden]";
-  const char* names_out = count ? "[num_local_experts, hidden, intermediate]" : "[hidden, shared_intermediate]";
+  const char* names_in =
+      count ? "[num_local_experts, intermediate, hidden]" : "[shared_intermediate, hidden]";
+  const char* names_out =
+      count ? "[num_local_experts, hidden, intermediate]" : "[hidden, shared_intermediate]";
   check_size(name + ".gate", w.gate.size(), shape(I, H), names_in);
   check_size(name + ".up", w.up.size(), shape(I, H), names_in);
   check_size(name + ".down", w.down.size(), shape(H, I), names_out);
@@ -86,7 +89,8 @@ void validate_problem(const Problem& p) {
                " is not a multiple of problem.num_ranks = ", p.num_ranks,
                ": every rank holds num_experts / num_ranks experts, pick num_ranks dividing num_experts");
   POUNCE_CHECK(p.num_topk >= 1 && p.num_topk <= p.num_experts, "problem.num_topk = ", p.num_topk,
-               " is out of range [1, num_experts = ", p.num_experts, "]: top-k picks k of the num_experts experts");
+               " is out of range [1, num_experts = ", p.num_experts,
+               "]: top-k picks k of the num_experts experts");
   POUNCE_CHECK(p.shared_intermediate >= 0, "problem.shared_intermediate = ", p.shared_intermediate,
                " is negative: use 0 for no shared expert");
   POUNCE_CHECK(p.block_m > 0, "problem.block_m = ", p.block_m, " must be positive (the GEMM tile height)");

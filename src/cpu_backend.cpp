@@ -3,7 +3,8 @@
 //   publish (args, validation error) -> barrier -> any error? all throw
 //   rank 0 evaluates the group with reference::forward/backward -> barrier -> each rank copies its part
 //
-// The next call's first barrier cannot pass before every rank copied, so one results slot suffices.
+// Each phase's shared slots are written only after a barrier that every reader of the previous phase
+// has passed, so one slot per rank suffices (errors: "errors read"; results: the next call's publish).
 #include "src/cpu_backend.h"
 
 #include <cstring>
@@ -82,7 +83,9 @@ reference::RankInputs to_inputs(const ForwardArgs& args, const TensorView* d_out
   return inputs;
 }
 
-CpuGroup& group_of(WorkspaceState& state) { return *state.group.state().cpu; }
+CpuGroup& group_of(WorkspaceState& state) {
+  return *state.group.state().cpu;
+}
 
 // Publishes this rank's arguments and error; throws on every rank when any rank rejected its inputs.
 void publish(WorkspaceState& state, const void* args, const std::string& local_error, const char* call) {
@@ -94,13 +97,13 @@ void publish(WorkspaceState& state, const void* args, const std::string& local_e
   std::string first_error;
   for (int peer = 0; peer < group.num_ranks && first_error.empty(); ++peer) {
     if (group.errors[peer].empty()) continue;
-    first_error = peer == rank ? group.errors[peer]
-                               : "rank " + std::to_string(peer) + " rejected its inputs: " + group.errors[peer];
+    first_error = peer == rank
+                      ? group.errors[peer]
+                      : "rank " + std::to_string(peer) + " rejected its inputs: " + group.errors[peer];
   }
-  if (first_error.empty()) return;
-  // Every rank has read the errors before anyone may publish the next call.
+  // Every rank has read the errors before anyone may publish the next call's.
   group.barrier.arrive_and_wait(std::string(call) + ": errors read", rank, peer_timeout());
-  throw Error(first_error.substr(first_error.rfind("pounce: ", 0) == 0 ? 8 : 0));
+  if (!first_error.empty()) throw Error(first_error.substr(first_error.rfind("pounce: ", 0) == 0 ? 8 : 0));
 }
 
 // Rank 0 runs `evaluate` for the group; every rank waits for it and rethrows its failure.
@@ -117,7 +120,8 @@ void evaluate_on_rank0(WorkspaceState& state, const char* call, Evaluate&& evalu
     }
   }
   group.barrier.arrive_and_wait(std::string(call) + ": group evaluated", rank, peer_timeout());
-  if (!group.group_error.empty()) throw Error(std::string(call) + " failed on the group: " + group.group_error);
+  if (!group.group_error.empty())
+    throw Error(std::string(call) + " failed on the group: " + group.group_error);
 }
 
 }  // namespace
@@ -130,8 +134,10 @@ void create_workspace(WorkspaceState& state) {
   group.barrier.arrive_and_wait("workspace: config published", rank, peer_timeout());
   const auto& first = *static_cast<const WorkspaceState*>(group.published[0]);
   if (!(first.shape == state.shape) || !(first.config.activation == state.config.activation) ||
-      first.config.precision != state.config.precision || first.config.macrobatch_size != state.config.macrobatch_size)
-    error = "rank " + std::to_string(rank) + " created its workspace with a shape or config different from rank 0's; " +
+      first.config.precision != state.config.precision ||
+      first.config.macrobatch_size != state.config.macrobatch_size)
+    error = "rank " + std::to_string(rank) +
+            " created its workspace with a shape or config different from rank 0's; " +
             "every rank of the group must pass the same Shape and Config";
   publish(state, &state, error, "workspace");
 }
@@ -148,7 +154,8 @@ void forward(WorkspaceState& state, const ForwardArgs& args, const std::string& 
     }
     // Shared weights are data-parallel replicas; rank 0's copy is used for the whole group.
     const auto& rank0 = *static_cast<const ForwardArgs*>(group.published[0]);
-    const reference::Weights shared = state.shape.has_shared_expert() ? to_weights(rank0.shared) : reference::Weights{};
+    const reference::Weights shared =
+        state.shape.has_shared_expert() ? to_weights(rank0.shared) : reference::Weights{};
     group.forward_results = reference::forward(make_problem(state), inputs, routed, shared);
   });
   reference::RankForward& mine = group_of(state).forward_results[state.group.rank()];
@@ -161,7 +168,8 @@ void forward(WorkspaceState& state, const ForwardArgs& args, const std::string& 
 void backward(WorkspaceState& state, const BackwardArgs& args, const std::string& local_error) {
   std::string error = local_error;
   if (error.empty() && !state.cpu_context.valid)
-    error = "backward called before forward (or recompute_forward_context) on this workspace; run forward first";
+    error =
+        "backward called before forward (or recompute_forward_context) on this workspace; run forward first";
   if (error.empty() && state.cpu_context.num_tokens != args.inputs.x.shape[0])
     error = "backward got " + std::to_string(args.inputs.x.shape[0]) + " tokens but the saved forward had " +
             std::to_string(state.cpu_context.num_tokens) + "; pass the inputs of the matching forward";

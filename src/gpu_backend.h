@@ -14,8 +14,8 @@ namespace pounce::gpu {
 struct GpuGroup;      // NCCL communicator + device communicator (src/gpu/)
 struct GpuWorkspace;  // symmetric + local device buffers, forward context (src/gpu/)
 
-int device_count();  // 0 when no driver or no GPU (never throws)
-std::string describe_devices();  // one line per GPU for `pounce info`; "" when none
+int device_count();                  // 0 when no driver or no GPU (never throws)
+std::string describe_devices();      // one line per GPU for `pounce info`; "" when none
 std::string nccl_runtime_version();  // "" when unknown
 
 std::vector<uint8_t> new_unique_id();
@@ -26,11 +26,31 @@ std::vector<std::shared_ptr<GpuGroup>> create_local_groups(int num_ranks);
 using GpuWorkspacePtr = std::unique_ptr<GpuWorkspace, void (*)(GpuWorkspace*)>;
 GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup> group, int rank, const Shape& shape,
                                  const Config& config);
-WorkspaceBytes workspace_bytes(const Shape& shape, const Config& config);
 
 void forward(GpuWorkspace& workspace, const ForwardArgs& args, void* stream);
 void backward(GpuWorkspace& workspace, const BackwardArgs& args, void* stream);
 void recompute_forward_context(GpuWorkspace& workspace, const ForwardArgs& args, void* stream);
+
+// Kernels record their failures (a bounded wait on a peer timed out, a topk_idx value out of range, more
+// schedule rows than the worst case) in a host-mapped record instead of trapping. This reads it without
+// synchronising: when set, it clears it and throws pounce::Error describing the first failure. Call it
+// after synchronising a stream to check that work; forward/backward call it on entry, so a failure of
+// earlier work surfaces at the next call at the latest.
+void check_device_errors(GpuWorkspace& workspace);
+
+// Device pointers into the forward context, for tests and debugging (read after synchronising).
+struct ForwardContextView {
+  const int32_t* schedule = nullptr;          // [rows_capacity][4]: src_rank, src_token, slot, -1
+  const int32_t* group_row_offset = nullptr;  // [El + 1], padded segment offsets
+  const int32_t* expert_src_count = nullptr;  // [El][R], pairs per (local expert, source rank)
+  const void* x_rows = nullptr;               // bf16 [rows_capacity][H]
+  const void* act_rows = nullptr;             // bf16 [rows_capacity][I]
+  const void* y_rows = nullptr;               // bf16 [rows_capacity][H]
+  const void* y_slots = nullptr;              // bf16 [max_tokens][k][H], this rank's tokens
+  const void* shared_y = nullptr;             // bf16 [round_up(max_tokens, 128)][H]; null when Is = 0
+  int64_t rows_capacity = 0;
+};
+ForwardContextView forward_context(const GpuWorkspace& workspace);
 // Throws pounce::Error when a kernel of this workspace recorded a timed-out wait or bad routing.
 void check_device_errors(GpuWorkspace& workspace);
 

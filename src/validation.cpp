@@ -20,7 +20,8 @@ DeviceKind expected_device(const Workspace& workspace) {
 
 void check_tensor(const Workspace& workspace, const char* name, const TensorView& view,
                   std::initializer_list<DType> dtypes, const std::vector<int64_t>& shape) {
-  POUNCE_CHECK(!view.is_none(), "argument '", name, "' is missing; pass a tensor of shape ", shape_string(shape));
+  POUNCE_CHECK(!view.is_none(), "argument '", name, "' is missing; pass a tensor of shape ",
+               shape_string(shape));
   bool dtype_ok = false;
   std::string allowed;
   for (DType dtype : dtypes) {
@@ -31,12 +32,14 @@ void check_tensor(const Workspace& workspace, const char* name, const TensorView
   POUNCE_CHECK(view.shape == shape, "argument '", name, "' is ", view.describe(), "; expected shape ",
                shape_string(shape));
   const DeviceKind device = expected_device(workspace);
-  POUNCE_CHECK(view.device == device, "argument '", name, "' is ", view.describe(), " but the workspace runs on ",
-               device == DeviceKind::kCuda ? "cuda" : "cpu", "; move it there");
+  POUNCE_CHECK(view.device == device, "argument '", name, "' is ", view.describe(),
+               " but the workspace runs on ", device == DeviceKind::kCuda ? "cuda" : "cpu",
+               "; move it there");
   POUNCE_CHECK(view.numel() == 0 || view.data != nullptr, "argument '", name, "' has a null data pointer");
-  POUNCE_CHECK(reinterpret_cast<uintptr_t>(view.data) % 16 == 0, "argument '", name, "' (", view.describe(),
-               ") starts at an address that is not 16-byte aligned; the kernels move 16-byte vectors: pass a ",
-               "tensor that starts at its allocation or at a 16-byte multiple");
+  POUNCE_CHECK(
+      reinterpret_cast<uintptr_t>(view.data) % 16 == 0, "argument '", name, "' (", view.describe(),
+      ") starts at an address that is not 16-byte aligned; the kernels move 16-byte vectors: pass a ",
+      "tensor that starts at its allocation or at a 16-byte multiple");
 }
 
 void check_optional_none(const char* name, const TensorView& view) {
@@ -78,7 +81,8 @@ void check_routing_ids(const Workspace& workspace, const TensorView& topk_idx) {
   if (topk_idx.device != DeviceKind::kCpu) return;
   const int64_t num_experts = workspace.shape().num_experts, k = workspace.shape().num_topk;
   for (int64_t i = 0; i < topk_idx.numel(); ++i) {
-    const int64_t id = topk_idx.dtype == DType::kInt32 ? topk_idx.as<int32_t>()[i] : topk_idx.as<int64_t>()[i];
+    const int64_t id =
+        topk_idx.dtype == DType::kInt32 ? topk_idx.as<int32_t>()[i] : topk_idx.as<int64_t>()[i];
     POUNCE_CHECK(id >= -1 && id < num_experts, "argument 'topk_idx'[", i / k, ", ", i % k, "] = ", id,
                  " is out of range [-1, ", num_experts, "); pass global expert ids below num_experts, or -1 ",
                  "for an unused slot");
@@ -92,10 +96,12 @@ void validate_forward_args(const Workspace& workspace, const ForwardArgs& args, 
   POUNCE_CHECK(!args.x.is_none() && args.x.rank() == 2, "argument 'x' must be a [T, ", s.hidden,
                "] bf16 tensor; got ", args.x.is_none() ? std::string("none") : args.x.describe());
   const int64_t num_tokens = args.x.shape[0];
-  POUNCE_CHECK(num_tokens <= s.max_tokens, "argument 'x' has ", num_tokens, " tokens but the workspace was sized ",
-               "for max_tokens = ", s.max_tokens, "; create the workspace with a larger Shape::max_tokens");
+  POUNCE_CHECK(num_tokens <= s.max_tokens, "argument 'x' has ", num_tokens,
+               " tokens but the workspace was sized ", "for max_tokens = ", s.max_tokens,
+               "; create the workspace with a larger Shape::max_tokens");
   check_tensor(workspace, "x", args.x, {DType::kBF16}, {num_tokens, s.hidden});
-  check_tensor(workspace, "topk_idx", args.topk_idx, {DType::kInt32, DType::kInt64}, {num_tokens, s.num_topk});
+  check_tensor(workspace, "topk_idx", args.topk_idx, {DType::kInt32, DType::kInt64},
+               {num_tokens, s.num_topk});
   check_tensor(workspace, "topk_weights", args.topk_weights, {DType::kFP32}, {num_tokens, s.num_topk});
   check_weights(workspace, "routed", args.routed, false, {DType::kBF16});
   check_weights(workspace, "shared", args.shared, true, {DType::kBF16});
@@ -117,17 +123,21 @@ void validate_backward_args(const Workspace& workspace, const BackwardArgs& args
   check_tensor(workspace, "d_out", args.d_out, {DType::kBF16}, {num_tokens, s.hidden});
   check_tensor(workspace, "d_x", args.d_x, {DType::kBF16}, {num_tokens, s.hidden});
   check_tensor(workspace, "d_topk_weights", args.d_topk_weights, {DType::kFP32}, {num_tokens, s.num_topk});
-  const auto grad_dtypes = args.accumulate_weight_grads ? std::initializer_list<DType>{DType::kFP32}
-                                                        : std::initializer_list<DType>{DType::kBF16, DType::kFP32};
-  check_weights(workspace, "d_routed", args.d_routed, false, grad_dtypes);
-  check_weights(workspace, "d_shared", args.d_shared, true, grad_dtypes);
-  const TensorView* inputs[] = {&args.inputs.x, &args.inputs.topk_idx, &args.inputs.topk_weights, &args.d_out};
+  if (args.accumulate_weight_grads) {  // main_grad accumulation is fp32 only
+    check_weights(workspace, "d_routed", args.d_routed, false, {DType::kFP32});
+    check_weights(workspace, "d_shared", args.d_shared, true, {DType::kFP32});
+  } else {
+    check_weights(workspace, "d_routed", args.d_routed, false, {DType::kBF16, DType::kFP32});
+    check_weights(workspace, "d_shared", args.d_shared, true, {DType::kBF16, DType::kFP32});
+  }
+  const TensorView* inputs[] = {&args.inputs.x, &args.inputs.topk_idx, &args.inputs.topk_weights,
+                                &args.d_out};
   const std::pair<const char*, const TensorView*> outputs[] = {{"d_x", &args.d_x},
-                                                              {"d_topk_weights", &args.d_topk_weights}};
+                                                               {"d_topk_weights", &args.d_topk_weights}};
   for (const auto& [name, output] : outputs)
     for (const TensorView* input : inputs)
-      POUNCE_CHECK(!overlaps(*output, *input), "argument '", name, "' overlaps an input tensor; pass a separate ",
-                   "output buffer");
+      POUNCE_CHECK(!overlaps(*output, *input), "argument '", name,
+                   "' overlaps an input tensor; pass a separate ", "output buffer");
 }
 
 }  // namespace pounce

@@ -1,5 +1,6 @@
 #include "pounce/workspace.h"
 
+#include "kernels/layout/workspace_layout.cuh"
 #include "pounce/error.h"
 #include "src/cpu_backend.h"
 #include "src/state.h"
@@ -11,8 +12,9 @@ Workspace::Workspace(const Group& group, const Shape& shape, const Config& confi
   validate(config, shape);
   POUNCE_CHECK(shape.num_ranks == group.num_ranks(), "shape.num_ranks = ", shape.num_ranks,
                " but the group has ", group.num_ranks(), " ranks; set shape.num_ranks = group.num_ranks()");
-  POUNCE_CHECK(config.backend == Backend::kAuto || config.backend == group.backend(), "config.backend = ",
-               to_string(config.backend), " but the group runs on ", to_string(group.backend()),
+  POUNCE_CHECK(config.backend == Backend::kAuto || config.backend == group.backend(),
+               "config.backend = ", to_string(config.backend), " but the group runs on ",
+               to_string(group.backend()),
                "; create the group on the backend you want (or leave config.backend = auto)");
   POUNCE_CHECK(group.backend() == Backend::kGpu || config.precision == Precision::kBF16,
                "config.precision = fp8 runs on GPUs only; use bf16 on the CPU backend");
@@ -31,11 +33,21 @@ Workspace& Workspace::operator=(Workspace&&) noexcept = default;
 WorkspaceBytes Workspace::bytes_required(const Shape& shape, const Config& config) {
   validate(shape);
   validate(config, shape);
-  return gpu::workspace_bytes(shape, config);
+  // One formula for every backend: kernels/layout/workspace_layout.cuh lists each region.
+  const auto layout = layout::WorkspaceLayout::make(shape.max_tokens, shape.hidden, shape.intermediate,
+                                                    shape.shared_intermediate, shape.num_experts,
+                                                    shape.num_topk, shape.num_ranks);
+  return {layout.symmetric_bytes, layout.local_bytes};
 }
 
-const Shape& Workspace::shape() const { return state_->shape; }
-const Config& Workspace::config() const { return state_->config; }
-const Group& Workspace::group() const { return state_->group; }
+const Shape& Workspace::shape() const {
+  return state_->shape;
+}
+const Config& Workspace::config() const {
+  return state_->config;
+}
+const Group& Workspace::group() const {
+  return state_->group;
+}
 
 }  // namespace pounce

@@ -33,7 +33,9 @@ __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* ptr) {
   return value;
 }
 // Orders every earlier memory operation of this thread before every later one, for all observers.
-__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t now;
@@ -48,7 +50,8 @@ __device__ __forceinline__ bool epoch_reached(uint32_t observed, uint32_t expect
 
 // Spins with ld.acquire.sys until *flag reaches `expected` or `timeout_ns` passes. Returns the last
 // value read; the caller compares it with epoch_reached.
-__device__ __forceinline__ uint32_t wait_epoch_sys(const uint32_t* flag, uint32_t expected, uint64_t timeout_ns) {
+__device__ __forceinline__ uint32_t wait_epoch_sys(const uint32_t* flag, uint32_t expected,
+                                                   uint64_t timeout_ns) {
   uint32_t observed = ld_acquire_sys(flag);
   if (epoch_reached(observed, expected)) return observed;
   const uint64_t start = global_timer_ns();
@@ -63,9 +66,10 @@ __device__ __forceinline__ uint32_t wait_epoch_sys(const uint32_t* flag, uint32_
 // ---- device error record ----
 // Records the first error of a call: claims `claim` (device memory, GPU-wide atomics), fills the
 // host-mapped record, then publishes `code` last after a system fence. Later errors are dropped.
-__device__ __forceinline__ void record_error(const layout::WorkspacePointers& ws, layout::DeviceErrorCode code,
-                                             int32_t wait_id, int32_t peer, int64_t expected, int64_t observed,
-                                             int64_t token = -1, int64_t slot = -1) {
+__device__ __forceinline__ void record_error(const layout::WorkspacePointers& ws,
+                                             layout::DeviceErrorCode code, int32_t wait_id, int32_t peer,
+                                             int64_t expected, int64_t observed, int64_t token = -1,
+                                             int64_t slot = -1) {
   if (atomicCAS(ws.error_claim, 0, 1) != 0) return;
   volatile layout::DeviceErrorRecord* record = ws.error;
   record->wait_id = wait_id;
@@ -84,7 +88,8 @@ __device__ __forceinline__ void record_error(const layout::WorkspacePointers& ws
 // Called by one whole block; threads [0, R) handle one peer each. Every store the calling rank made
 // before the call (earlier kernels in stream order included) is visible to every peer after its own
 // call returns, and vice versa. Returns false (and records the error) when a peer did not arrive.
-__device__ __forceinline__ bool phase_barrier_block(const layout::WorkspacePointers& ws, layout::WaitId which) {
+__device__ __forceinline__ bool phase_barrier_block(const layout::WorkspacePointers& ws,
+                                                    layout::WaitId which) {
   __shared__ int timed_out;
   if (threadIdx.x == 0) timed_out = 0;
   __syncthreads();
@@ -99,7 +104,8 @@ __device__ __forceinline__ bool phase_barrier_block(const layout::WorkspacePoint
     const uint32_t observed = wait_epoch_sys(inbox, epoch, ws.timeout_ns);
     if (!epoch_reached(observed, epoch)) {
       timed_out = 1;
-      record_error(ws, layout::DeviceErrorCode::kWaitTimeout, static_cast<int32_t>(which), peer, epoch, observed);
+      record_error(ws, layout::DeviceErrorCode::kWaitTimeout, static_cast<int32_t>(which), peer, epoch,
+                   observed);
     }
   }
   __syncthreads();

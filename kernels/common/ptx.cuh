@@ -103,7 +103,9 @@ __device__ __forceinline__ void tma_load_3d(void* smem_dst, const void* tensor_m
 // ---------------------------------------------------------------------------------------------------
 // wgmma (warpgroup MMA). Issued by all 128 threads of a warpgroup.
 // ---------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
 __device__ __forceinline__ void wgmma_commit_group() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
@@ -114,7 +116,9 @@ __device__ __forceinline__ void wgmma_wait_group() {
 }
 
 // Keeps the compiler from moving accumulator reads/writes across wgmma issue and wait points.
-__device__ __forceinline__ void fence_operand(float& reg) { asm volatile("" : "+f"(reg)::"memory"); }
+__device__ __forceinline__ void fence_operand(float& reg) {
+  asm volatile("" : "+f"(reg)::"memory");
+}
 
 // Shared-memory matrix descriptor for a K-major bf16 tile whose rows are 128 bytes (64 elements) and
 // were written by TMA with 128-byte swizzle: 8-row core groups are 1024 bytes apart (stride byte offset),
@@ -169,6 +173,13 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
         "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]),
         "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "l"(desc_a), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)));
+}
+
+// Two fp32 -> one register of two bf16 (round to nearest even); `lo` lands in the low 16 bits.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t packed;
+  asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(packed) : "f"(lo), "f"(hi));
+  return packed;
 }
 
 // ---------------------------------------------------------------------------------------------------

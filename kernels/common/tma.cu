@@ -32,7 +32,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled_entry_point() {
 }  // namespace
 
 CUtensorMap make_bf16_tensor_map_sw128(const Bf16TensorMapSpec& spec) {
-  POUNCE_CHECK(spec.rank == 2 || spec.rank == 3, "tensor map rank ", spec.rank, " unsupported; fix: use 2 or 3");
+  POUNCE_CHECK(spec.rank == 2 || spec.rank == 3, "tensor map rank ", spec.rank,
+               " unsupported; fix: use 2 or 3");
   POUNCE_CHECK(spec.base != nullptr && reinterpret_cast<uintptr_t>(spec.base) % 16 == 0, "tensor base ",
                spec.base, " must be non-null and 16-byte aligned; fix: allocate with cudaMalloc");
   POUNCE_CHECK(spec.box[0] * 2 == 128, "tensor map box inner extent ", spec.box[0],
@@ -48,10 +49,11 @@ CUtensorMap make_bf16_tensor_map_sw128(const Bf16TensorMapSpec& spec) {
   }
   CUtensorMap map{};
   const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult res = encode_tiled_entry_point()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(spec.rank), const_cast<void*>(spec.base),
-      spec.dims, spec.strides_bytes, spec.box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult res =
+      encode_tiled_entry_point()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(spec.rank),
+                                 const_cast<void*>(spec.base), spec.dims, spec.strides_bytes, spec.box,
+                                 element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   POUNCE_CHECK(res == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with CUresult ", static_cast<int>(res),
                " (rank ", spec.rank, ", dims ", spec.dims[0], "x", spec.dims[1], "x", spec.dims[2],
                "); fix: check shapes, alignment and box sizes");

@@ -14,16 +14,19 @@
 
 namespace pounce::kernels {
 
-struct GroupedRows {                 // expert-grouped activation rows, device memory
-  int64_t max_rows = 0;              // capacity in rows (multiple of 128); tensor maps are built over it
-  const int32_t* group_row_offset = nullptr;  // device [num_groups + 1], [0] = 0, multiples of 128, non-decreasing
+// Expert-grouped activation rows, device memory.
+struct GroupedRows {
+  int64_t max_rows = 0;  // capacity in rows (multiple of 128); tensor maps are built over it
+  // Device [num_groups + 1]: [0] = 0, non-decreasing multiples of 128. Read only on the device.
+  const int32_t* group_row_offset = nullptr;
   int num_groups = 0;
 };
 
 struct ActivationParams {
-  int kind = 0;             // 0 SwiGLU silu(g) * u, 1 GPT-OSS (u + 1) * g * sigmoid(alpha * g)
-  float clamp_limit = std::numeric_limits<float>::infinity();  // g = min(g, L), u = clamp(u, -L, L); +inf: none
-  float alpha = 1.702f;     // GPT-OSS only
+  int kind = 0;  // 0 SwiGLU silu(g) * u, 1 GPT-OSS (u + 1) * g * sigmoid(alpha * g)
+  // g = min(g, L), u = clamp(u, -L, L); +inf means no clamp.
+  float clamp_limit = std::numeric_limits<float>::infinity();
+  float alpha = 1.702f;  // GPT-OSS only
 };
 inline constexpr int kActivationSwiGLU = 0;
 inline constexpr int kActivationGptOss = 1;
@@ -41,7 +44,8 @@ void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate,
 
 // Diagnostics: the first bounded-wait timeout any grouped GEMM kernel recorded on the current device
 // (0 = none; 1 = consumer waited too long for a filled stage, 2 = producer waited too long for a free
-// stage). Synchronises the device; for tests and error reporting, not for the hot path.
+// stage, 3 = group_row_offset[num_groups] exceeded max_rows: the excess rows were skipped). Synchronises the
+// device; for tests and error reporting, not for the hot path.
 int32_t grouped_gemm_error_code(bool reset);
 
 }  // namespace pounce::kernels

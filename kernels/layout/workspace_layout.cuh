@@ -22,9 +22,9 @@
 namespace pounce::layout {
 
 inline constexpr int64_t kBlockM = 128;           // GEMM tile height; equals pounce::kBlockM
-inline constexpr int64_t kRegionAlign = 256;       // every region starts 256-byte aligned
-inline constexpr int64_t kSymmetricAlign = 4096;   // NCCL_WIN_REQUIRED_ALIGNMENT
-inline constexpr int64_t kScheduleChunk = 1024;    // routing entries (token, slot) per schedule warp
+inline constexpr int64_t kRegionAlign = 256;      // every region starts 256-byte aligned
+inline constexpr int64_t kSymmetricAlign = 4096;  // NCCL_WIN_REQUIRED_ALIGNMENT
+inline constexpr int64_t kScheduleChunk = 1024;   // routing entries (token, slot) per schedule warp
 inline constexpr int64_t kBf16Bytes = 2;
 
 POUNCE_HOST_DEVICE constexpr int64_t round_up(int64_t value, int64_t multiple) {
@@ -33,7 +33,9 @@ POUNCE_HOST_DEVICE constexpr int64_t round_up(int64_t value, int64_t multiple) {
 POUNCE_HOST_DEVICE constexpr int64_t ceil_div(int64_t value, int64_t divisor) {
   return (value + divisor - 1) / divisor;
 }
-POUNCE_HOST_DEVICE constexpr int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
+POUNCE_HOST_DEVICE constexpr int64_t min_i64(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
 
 // One row of the receive schedule (mirrors reference::ScheduleRow); padding rows are all -1.
 struct ScheduleEntry {
@@ -48,9 +50,9 @@ struct ScheduleEntry {
 // `code` is written last, after a system fence, so the host never reads a half-written record.
 enum class DeviceErrorCode : int32_t {
   kNone = 0,
-  kWaitTimeout = 1,         // a bounded spin-wait expired: which wait, rank, peer, expected, observed
-  kExpertOutOfRange = 2,    // topk_idx value out of range: source rank, token, slot, value
-  kScheduleOverflow = 3,    // more rows than rows_capacity (duplicate expert ids within a token)
+  kWaitTimeout = 1,       // a bounded spin-wait expired: which wait, rank, peer, expected, observed
+  kExpertOutOfRange = 2,  // topk_idx value out of range: source rank, token, slot, value
+  kScheduleOverflow = 3,  // more rows than rows_capacity (duplicate expert ids within a token)
 };
 enum class WaitId : int32_t { kNone = 0, kRoutingBarrier = 1, kCombineBarrier = 2 };
 
@@ -73,10 +75,10 @@ struct WorkspaceLayout {
   int64_t num_experts = 0, num_topk = 0, num_ranks = 1, num_local_experts = 0;
 
   // Derived extents.
-  int64_t rows_capacity = 0;       // round_up(R * max_tokens * min(k, El) + El * (BLOCK_M - 1), BLOCK_M)
-  int64_t token_capacity = 0;      // round_up(max_tokens, BLOCK_M): shared-expert rows, T padded
-  int64_t routing_stride = 0;      // round_up(max_tokens * k, 4) int32 entries per source rank
-  int64_t max_chunks = 0;          // ceil(max_tokens * k / kScheduleChunk), at least 1
+  int64_t rows_capacity = 0;   // round_up(R * max_tokens * min(k, El) + El * (BLOCK_M - 1), BLOCK_M)
+  int64_t token_capacity = 0;  // round_up(max_tokens, BLOCK_M): shared-expert rows, T padded
+  int64_t routing_stride = 0;  // round_up(max_tokens * k, 4) int32 entries per source rank
+  int64_t max_chunks = 0;      // ceil(max_tokens * k / kScheduleChunk), at least 1
 
   // ---- symmetric allocation (same offsets on every rank) ----
   int64_t sym_barrier_inbox = 0;   // uint32 [R]: epoch each peer last arrived with
@@ -124,7 +126,8 @@ struct WorkspaceLayout {
     l.rows_capacity = round_up(R * max_tokens * min_i64(k, El) + El * (kBlockM - 1), kBlockM);
     l.token_capacity = round_up(max_tokens, kBlockM);
     l.routing_stride = round_up(max_tokens * k, 4);
-    l.max_chunks = ceil_div(max_tokens * k, kScheduleChunk) > 0 ? ceil_div(max_tokens * k, kScheduleChunk) : 1;
+    l.max_chunks =
+        ceil_div(max_tokens * k, kScheduleChunk) > 0 ? ceil_div(max_tokens * k, kScheduleChunk) : 1;
 
     int64_t at = 0;
     auto carve = [&at](int64_t bytes) {
@@ -175,8 +178,8 @@ struct WorkspacePointers {
   int64_t rows_capacity, token_capacity, routing_stride, max_chunks;
   uint64_t timeout_ns;  // bound of every spin-wait
 
-  char* symmetric;                   // this rank's symmetric base
-  const uint64_t* peer_base;         // [R]
+  char* symmetric;            // this rank's symmetric base
+  const uint64_t* peer_base;  // [R]
   int64_t sym_barrier_inbox, sym_routing_tokens, sym_routing_idx, sym_x, sym_y_slots;  // offsets
 
   uint32_t* barrier_epoch;

@@ -26,8 +26,9 @@ __device__ __forceinline__ int32_t load_expert_id(const void* topk_idx, bool idx
 }
 
 // Grid-stride over (peer, group of four entries). Any grid shape works.
-__device__ __forceinline__ void store_routing_to_peers(const layout::WorkspacePointers& ws, const void* topk_idx,
-                                                       bool idx_int64, int64_t num_tokens) {
+__device__ __forceinline__ void store_routing_to_peers(const layout::WorkspacePointers& ws,
+                                                       const void* topk_idx, bool idx_int64,
+                                                       int64_t num_tokens) {
   const int64_t num_entries = num_tokens * ws.num_topk;
   const int64_t num_quads = layout::ceil_div(num_entries, 4);
   const int64_t num_units = num_quads * ws.num_ranks;
@@ -53,13 +54,15 @@ __device__ __forceinline__ void store_routing_to_peers(const layout::WorkspacePo
 
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads)
-    routing_exchange_kernel(layout::WorkspacePointers ws, const void* topk_idx, bool idx_int64, int64_t num_tokens) {
+    routing_exchange_kernel(layout::WorkspacePointers ws, const void* topk_idx, bool idx_int64,
+                            int64_t num_tokens) {
   store_routing_to_peers(ws, topk_idx, idx_int64, num_tokens);
 }
 
 // One block of at least R threads. Launched between phases of the staged path.
 template <int kNumThreads>
-__global__ void __launch_bounds__(kNumThreads) phase_barrier_kernel(layout::WorkspacePointers ws, layout::WaitId which) {
+__global__ void __launch_bounds__(kNumThreads)
+    phase_barrier_kernel(layout::WorkspacePointers ws, layout::WaitId which) {
   flags::phase_barrier_block(ws, which);
 }
 

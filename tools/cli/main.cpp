@@ -1,1 +1,140 @@
-int main() { return 0; }
+// The `pounce` command-line tool: run (one checked, timed MoE layer), bench (sweeps against the PyTorch
+// baseline), info (build, devices, backend choice). DESIGN.md §5.
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+#include <string>
+
+#include "pounce/error.h"
+#include "tools/cli/commands.h"
+
+namespace {
+
+// CLI11 2.1 has no std::optional options: parse into a value and keep it only when given.
+template <typename T>
+struct OptionalValue {
+  T value{};
+  CLI::Option* option = nullptr;
+  std::optional<T> get() const { return option->count() > 0 ? std::optional<T>(value) : std::nullopt; }
+};
+
+template <typename T>
+OptionalValue<T>& add_optional(CLI::App* app, OptionalValue<T>& slot, const std::string& name,
+                               const std::string& help) {
+  slot.option = app->add_option(name, slot.value, help);
+  return slot;
+}
+
+std::string strip_prefix(const std::string& message) {
+  const std::string prefix = "pounce: ";
+  return message.rfind(prefix, 0) == 0 ? message.substr(prefix.size()) : message;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace pounce::cli;
+  CLI::App app{"Pounce: a fused Mixture-of-Experts layer for Hopper GPUs (DESIGN.md §5)"};
+  app.require_subcommand(1);
+
+  // ---- run ---------------------------------------------------------------------------------------------
+  RunOptions run;
+  OptionalValue<int64_t> hidden, intermediate, experts, topk, shared, tokens, check_tokens;
+  OptionalValue<int> ranks, iters;
+  OptionalValue<float> clamp;
+  CLI::App* run_app = app.add_subcommand("run",
+                                         "One MoE layer forward + backward on every visible GPU (or the CPU "
+                                         "reference backend), checked against an "
+                                         "independent fp64 evaluation, timed");
+  run_app->add_option("--preset", run.preset, "qwen3-30b-a3b | deepseek-v3 | gpt-oss-120b | mixtral-8x7b");
+  add_optional(run_app, hidden, "--hidden", "H (custom shape, or overrides the preset's)");
+  add_optional(run_app, intermediate, "--intermediate", "I, routed expert intermediate size");
+  add_optional(run_app, experts, "--experts", "E, experts over the whole group");
+  add_optional(run_app, topk, "--topk", "k, experts per token");
+  add_optional(run_app, shared, "--shared-intermediate", "Is, shared expert intermediate size (0 = none)");
+  add_optional(run_app, tokens, "--tokens",
+               "tokens per rank (default: 4096 on GPUs; 256 on the CPU, 16 with a preset)");
+  add_optional(run_app, ranks, "--ranks", "expert-parallel ranks (default: every visible GPU; 2 on the CPU)");
+  run_app->add_option("--activation", run.activation,
+                      "swiglu | gpt-oss (default: the preset's, else swiglu)");
+  add_optional(run_app, clamp, "--clamp", "clamp limit L of the activation");
+  run_app->add_option("--backend", run.backend, "auto | cpu | gpu")->capture_default_str();
+  run_app->add_option("--seed", run.seed, "seed of every input")->capture_default_str();
+  add_optional(run_app, iters, "--iters",
+               "timed repetitions, median reported (default: 10 on GPUs, 1 on the CPU)");
+  run_app->add_option("--comm-sms", run.comm_sms, "communication SMs per kernel (0 = heuristic)")
+      ->capture_default_str();
+  run_app->add_option("--minibatch", run.minibatch, "rows per dispatch->GEMM handoff (0 = heuristic)")
+      ->capture_default_str();
+  add_optional(run_app, check_tokens, "--check-tokens",
+               "tokens per rank in the fp64 check (0 = all; default: all on the CPU, 8..64 on GPUs)");
+  run_app->add_option("--check-experts", run.check_experts, "experts per rank in the weight-gradient check")
+      ->capture_default_str();
+  run_app->add_option("--check-rows", run.check_rows, "intermediate rows per checked expert")
+      ->capture_default_str();
+  run_app->add_option("--tolerance", run.tolerance, "max relative error ||got - ref|| / ||ref|| per tensor")
+      ->capture_default_str();
+  run_app->add_option("--wgrad-dtype", run.wgrad_dtype, "fp32 | bf16 weight gradients")
+      ->capture_default_str();
+  run_app->add_option("--json", run.json, "write a JSON report to FILE ('-' = stdout)");
+
+  // ---- info --------------------------------------------------------------------------------------------
+  InfoOptions info;
+  CLI::App* info_app = app.add_subcommand("info", "Build, devices, NCCL, and which backend `run` would use");
+  info_app->add_option("--json", info.json, "also write JSON to FILE ('-' = stdout)");
+
+  // ---- bench -------------------------------------------------------------------------------------------
+  BenchOptions bench;
+  CLI::App* bench_app = app.add_subcommand(
+      "bench",
+      "Sweep presets x tokens per rank on every visible GPU, with the PyTorch baseline measured in the "
+      "same run; JSON records to bench/results/");
+  bench_app->add_option("--preset", bench.presets, "presets to sweep")->delimiter(',')->capture_default_str();
+  bench_app->add_option("--tokens", bench.tokens, "tokens per rank to sweep")
+      ->delimiter(',')
+      ->capture_default_str();
+  bench_app->add_option("--impl", bench.impls, "fused | staged")->delimiter(',')->capture_default_str();
+  bench_app->add_option("--ranks", bench.ranks, "GPUs (0 = every visible GPU)")->capture_default_str();
+  bench_app->add_option("--warmup", bench.warmup, "untimed runs per configuration")->capture_default_str();
+  bench_app->add_option("--iters", bench.iters, "timed runs per configuration")->capture_default_str();
+  bench_app->add_option("--seed", bench.seed, "seed of every input")->capture_default_str();
+  bench_app->add_flag("--no-baseline", bench.no_baseline, "skip the PyTorch baseline");
+  bench_app->add_option("--torchrun", bench.torchrun, "torchrun executable")->capture_default_str();
+  bench_app->add_option("--baseline-script", bench.baseline_script, "the baseline script")
+      ->capture_default_str();
+  bench_app->add_option("--name", bench.name,
+                        "results name: bench/results/<name>.json (default pounce-<date>)");
+  bench_app->add_option("--out", bench.out, "results file (overrides --name)");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& error) {
+    return app.exit(error);
+  }
+
+  try {
+    if (*run_app) {
+      run.hidden = hidden.get();
+      run.intermediate = intermediate.get();
+      run.experts = experts.get();
+      run.topk = topk.get();
+      run.shared_intermediate = shared.get();
+      run.tokens = tokens.get();
+      run.ranks = ranks.get();
+      run.clamp = clamp.get();
+      run.iters = iters.get();
+      run.check_tokens = check_tokens.get();
+      return run_command(run);
+    }
+    if (*info_app) return info_command(info);
+    std::string command_line;
+    for (int i = 0; i < argc; ++i) command_line += (i ? " " : "") + std::string(argv[i]);
+    return bench_command(bench, command_line);
+  } catch (const pounce::Error& error) {
+    std::cerr << "error: " << strip_prefix(error.what()) << "\n";
+    return 2;
+  } catch (const std::exception& error) {
+    std::cerr << "error: " << error.what() << "\n";
+    return 2;
+  }
+}

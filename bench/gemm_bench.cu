@@ -1,0 +1,161 @@
+// Grouped GEMM throughput on the expert shapes of the model presets (compute only, rows already grouped).
+//
+// For each case: random bf16 inputs (a 1M-element random pattern replicated on the device), warm-up, then
+// kIters launches timed one by one with CUDA events; prints the median time and TFLOP/s counted as
+// 2 * rows * n * k per GEMM (gate/up counts both GEMMs). Weights exceed L2 for the large cases, so no
+// input rotation is needed. Usage: pounce_gemm_bench [filter-substring]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/gemm/grouped_gemm.h"
+
+namespace {
+
+constexpr int kWarmup = 2;
+constexpr int kIters = 10;
+
+#define BENCH_CUDA(expr)                                                        \
+  do {                                                                          \
+    const cudaError_t err_ = (expr);                                            \
+    if (err_ != cudaSuccess) {                                                  \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(err_)); \
+      std::exit(1);                                                             \
+    }                                                                           \
+  } while (0)
+
+struct Case {
+  const char* name;
+  std::vector<int32_t> rows_per_group;
+  int64_t n, k;
+  bool gate_up;
+};
+
+std::vector<int32_t> balanced(int groups, int rows) {
+  return std::vector<int32_t>(groups, rows);
+}
+
+// Deterministic imbalance: 0..14 blocks of 128 rows per group, several empty groups.
+std::vector<int32_t> skewed(int groups) {
+  std::vector<int32_t> out;
+  for (int g = 0; g < groups; ++g) out.push_back(128 * ((g * 37) % 15));
+  return out;
+}
+
+// Fills `count` bf16 with a replicated random pattern (values in [-0.5, 0.5)).
+void fill_random(uint16_t* dst, size_t count) {
+  constexpr size_t kPattern = 1 << 20;
+  static std::vector<uint16_t> pattern = [] {
+    std::mt19937 gen(7);
+    std::uniform_real_distribution<float> dist(-0.5f, 0.5f);
+    std::vector<uint16_t> p(kPattern);
+    for (auto& v : p) {
+      const float f = dist(gen);
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      v = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+    return p;
+  }();
+  const size_t first = std::min(count, kPattern);
+  BENCH_CUDA(cudaMemcpy(dst, pattern.data(), first * 2, cudaMemcpyHostToDevice));
+  for (size_t done = first; done < count;) {
+    const size_t chunk = std::min(done, count - done);
+    BENCH_CUDA(cudaMemcpy(dst + done, dst, chunk * 2, cudaMemcpyDeviceToDevice));
+    done += chunk;
+  }
+}
+
+void run_case(const Case& c) {
+  std::vector<int32_t> off(c.rows_per_group.size() + 1, 0);
+  for (size_t g = 0; g < c.rows_per_group.size(); ++g) off[g + 1] = off[g] + c.rows_per_group[g];
+  const int64_t rows = off.back();
+  const int num_groups = static_cast<int>(c.rows_per_group.size());
+  const size_t w_count = static_cast<size_t>(num_groups) * c.n * c.k;
+  const size_t a_count = static_cast<size_t>(rows) * c.k;
+  const size_t o_count = static_cast<size_t>(rows) * c.n;
+  uint16_t *a, *w0, *w1 = nullptr, *o0, *o1 = nullptr, *o2 = nullptr;
+  int32_t* d_off;
+  BENCH_CUDA(cudaMalloc(&a, a_count * 2));
+  BENCH_CUDA(cudaMalloc(&w0, w_count * 2));
+  BENCH_CUDA(cudaMalloc(&o0, o_count * 2));
+  if (c.gate_up) {
+    BENCH_CUDA(cudaMalloc(&w1, w_count * 2));
+    BENCH_CUDA(cudaMalloc(&o1, o_count * 2));
+    BENCH_CUDA(cudaMalloc(&o2, o_count * 2));
+    fill_random(w1, w_count);
+  }
+  BENCH_CUDA(cudaMalloc(&d_off, off.size() * 4));
+  BENCH_CUDA(cudaMemcpy(d_off, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
+  fill_random(a, a_count);
+  fill_random(w0, w_count);
+
+  const pounce::kernels::GroupedRows grouped{rows, d_off, num_groups};
+  const pounce::kernels::ActivationParams act{pounce::kernels::kActivationSwiGLU, 7.0f, 1.0f};
+  auto launch = [&] {
+    if (c.gate_up) {
+      pounce::kernels::grouped_gate_up(grouped, a, w0, w1, o0, o1, o2, c.n, c.k, act, nullptr);
+    } else {
+      pounce::kernels::grouped_gemm(grouped, a, w0, o0, c.n, c.k, nullptr);
+    }
+  };
+  cudaEvent_t start, stop;
+  BENCH_CUDA(cudaEventCreate(&start));
+  BENCH_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < kWarmup; ++i) launch();
+  std::vector<float> ms(kIters);
+  for (int i = 0; i < kIters; ++i) {
+    BENCH_CUDA(cudaEventRecord(start));
+    launch();
+    BENCH_CUDA(cudaEventRecord(stop));
+    BENCH_CUDA(cudaEventSynchronize(stop));
+    BENCH_CUDA(cudaEventElapsedTime(&ms[i], start, stop));
+  }
+  std::sort(ms.begin(), ms.end());
+  const double median_ms = ms[kIters / 2];
+  const double flops = 2.0 * rows * c.n * c.k * (c.gate_up ? 2 : 1);
+  const int32_t err = pounce::kernels::grouped_gemm_error_code(true);
+  std::printf("| %-28s | %4d | %7lld | %5lld | %5lld | %8.3f | %6.1f | %s |\n", c.name, num_groups,
+              static_cast<long long>(rows), static_cast<long long>(c.n), static_cast<long long>(c.k),
+              median_ms, flops / (median_ms * 1e-3) / 1e12, err == 0 ? "ok" : "WAIT-TIMEOUT");
+  for (void* p :
+       {static_cast<void*>(a), static_cast<void*>(w0), static_cast<void*>(w1), static_cast<void*>(o0),
+        static_cast<void*>(o1), static_cast<void*>(o2), static_cast<void*>(d_off)}) {
+    cudaFree(p);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string filter = argc > 1 ? argv[1] : "";
+  const std::vector<Case> cases = {
+      {"deepseek-v3 gate_up", balanced(128, 1024), 2048, 7168, true},
+      {"deepseek-v3 down", balanced(128, 1024), 7168, 2048, false},
+      {"deepseek-v3 down skewed", skewed(128), 7168, 2048, false},
+      {"deepseek-v3 shared gate_up", balanced(1, 8192), 2048, 7168, true},
+      {"deepseek-v3 shared down", balanced(1, 8192), 7168, 2048, false},
+      {"qwen3-30b-a3b gate_up", balanced(64, 1024), 768, 2048, true},
+      {"qwen3-30b-a3b down", balanced(64, 1024), 2048, 768, false},
+      {"gpt-oss-120b gate_up", balanced(64, 512), 2880, 2880, true},
+      {"gpt-oss-120b down", balanced(64, 512), 2880, 2880, false},
+  };
+  cudaDeviceProp prop{};
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs; median of %d launches after %d warm-up\n", prop.name,
+              prop.multiProcessorCount, kIters, kWarmup);
+  std::printf("| %-28s | %4s | %7s | %5s | %5s | %8s | %6s | %s |\n", "case", "grp", "rows", "n", "k", "ms",
+              "TFLOP/s", "status");
+  for (const Case& c : cases) {
+    if (filter.empty() || std::string(c.name).find(filter) != std::string::npos) run_case(c);
+  }
+  return 0;
+}

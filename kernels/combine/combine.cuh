@@ -1,0 +1,86 @@
+// Combine (DESIGN.md §1-§2): expert owners PUSH each output row into the token owner's private slot,
+// then every rank reduces its own tokens.
+//
+//   push         : peer(src_rank).y_slots[src_token][slot] = y_rows[row]   for every non-padding row
+//   (phase barrier, flags.cuh: all pushes into this rank's slots are visible after it)
+//   weighted_sum : out[t] = bf16(float(ys[t]) + sum_{j ascending, 0 <= idx[t,j] < E} w[t,j] * float(y[t,j]))
+//                  one fp32 accumulator starting at ys[t] (0 without a shared expert), multiply and add
+//                  rounded separately (no FMA contraction), exactly as reference::forward step 4.
+// The routing ids come from this rank's own row of the exchanged routing (int32 already). Slots with an
+// id outside [-1, E) were recorded by the schedule stage and are skipped here.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/dispatch/dispatch.cuh"
+#include "kernels/layout/workspace_layout.cuh"
+
+namespace pounce::combine {
+
+__device__ __forceinline__ void push_rows(const layout::WorkspacePointers& ws) {
+  const int64_t num_rows = ws.group_row_offset[ws.num_local_experts];
+  const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
+  const int4* y_rows = static_cast<const int4*>(ws.y_rows);
+  for (int64_t row = dispatch::global_warp(); row < num_rows; row += dispatch::num_global_warps()) {
+    const layout::ScheduleEntry entry = ws.schedule[row];
+    if (entry.src_rank < 0) continue;
+    int4* dst = ws.peer<int4>(entry.src_rank, ws.sym_y_slots) +
+                (static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot) * row_vectors;
+    dispatch::warp_copy_16b(dst, y_rows + row * row_vectors, row_vectors);
+  }
+}
+
+// One thread per (token, 8 consecutive hidden columns).
+__device__ __forceinline__ void weighted_sum(const layout::WorkspacePointers& ws, const float* topk_weights,
+                                             void* out, int64_t num_tokens, bool has_shared) {
+  const int64_t H = ws.hidden, k = ws.num_topk;
+  const int64_t vectors_per_row = H / 8;
+  const int64_t total = num_tokens * vectors_per_row;
+  const int32_t* topk_idx = ws.local_sym<const int32_t>(ws.sym_routing_idx) + ws.rank * ws.routing_stride;
+  const int4* y_slots = ws.local_sym<const int4>(ws.sym_y_slots);
+  const int4* shared_y = static_cast<const int4*>(ws.shared_y);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < total;
+       item += stride) {
+    const int64_t t = item / vectors_per_row, v = item % vectors_per_row;
+    float acc[8];
+    if (has_shared) {
+      const int4 packed = shared_y[t * vectors_per_row + v];
+      const __nv_bfloat16* ys = reinterpret_cast<const __nv_bfloat16*>(&packed);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = __bfloat162float(ys[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t expert = topk_idx[t * k + j];
+      if (expert < 0 || expert >= ws.num_experts) continue;
+      const float w = topk_weights[t * k + j];
+      const int4 packed = y_slots[(t * k + j) * vectors_per_row + v];
+      const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&packed);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, __bfloat162float(y[i])));
+    }
+    int4 result;
+    __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&result);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(acc[i]);
+    static_cast<int4*>(out)[t * vectors_per_row + v] = result;
+  }
+}
+
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads) combine_push_kernel(layout::WorkspacePointers ws) {
+  push_rows(ws);
+}
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads)
+    weighted_sum_kernel(layout::WorkspacePointers ws, const float* topk_weights, void* out,
+                        int64_t num_tokens, bool has_shared) {
+  weighted_sum(ws, topk_weights, out, num_tokens, has_shared);
+}
+
+}  // namespace pounce::combine

@@ -1,0 +1,85 @@
+// Dispatch (DESIGN.md §2): expert owners PULL token rows from the source rank's symmetric x.
+//
+//   stage_x : sym_x[t] = x[t] for t < T, 0 for T <= t < round_up(T, 128); shared_row_offset = {0, that}
+//             (the shared expert's GEMMs run on sym_x as one group of round_up(T, 128) rows)
+//   pull    : x_rows[row] = peer(src_rank).sym_x[src_token]   for every schedule row below
+//             group_row_offset[El]; padding rows get zeros, so g = u = act = y = 0 there.
+// One warp per row, 16-byte loads and stores; hidden * 2 bytes must be a multiple of 16 (H % 8 == 0).
+// Waits on nothing inside: the routing barrier precedes it in stream order, and a pull needs no flag
+// because the puller's own load completes when the data has arrived. Mirrors step 1 of reference::forward.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/layout/workspace_layout.cuh"
+
+namespace pounce::dispatch {
+
+// Copies `num_vectors` 16-byte vectors with one warp; loads are issued four deep to hide NVLink latency.
+__device__ __forceinline__ void warp_copy_16b(int4* dst, const int4* src, int64_t num_vectors) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  int64_t v = lane;
+  for (; v + 96 < num_vectors; v += 128) {
+    const int4 a = src[v], b = src[v + 32], c = src[v + 64], d = src[v + 96];
+    dst[v] = a;
+    dst[v + 32] = b;
+    dst[v + 64] = c;
+    dst[v + 96] = d;
+  }
+  for (; v < num_vectors; v += 32) dst[v] = src[v];
+}
+__device__ __forceinline__ void warp_zero_16b(int4* dst, int64_t num_vectors) {
+  for (int64_t v = threadIdx.x % 32; v < num_vectors; v += 32) dst[v] = make_int4(0, 0, 0, 0);
+}
+
+__device__ __forceinline__ int64_t global_warp() {
+  return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+}
+__device__ __forceinline__ int64_t num_global_warps() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+}
+
+__device__ __forceinline__ void stage_x(const layout::WorkspacePointers& ws, const void* x,
+                                        int64_t num_tokens) {
+  const int64_t padded_tokens = layout::round_up(num_tokens, layout::kBlockM);
+  const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
+  int4* sym_x = ws.local_sym<int4>(ws.sym_x);
+  for (int64_t t = global_warp(); t < padded_tokens; t += num_global_warps()) {
+    if (t < num_tokens) {
+      warp_copy_16b(sym_x + t * row_vectors, static_cast<const int4*>(x) + t * row_vectors, row_vectors);
+    } else {
+      warp_zero_16b(sym_x + t * row_vectors, row_vectors);
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    ws.shared_row_offset[0] = 0;
+    ws.shared_row_offset[1] = static_cast<int32_t>(padded_tokens);
+  }
+}
+
+__device__ __forceinline__ void pull_rows(const layout::WorkspacePointers& ws) {
+  const int64_t num_rows = ws.group_row_offset[ws.num_local_experts];
+  const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
+  int4* x_rows = static_cast<int4*>(ws.x_rows);
+  for (int64_t row = global_warp(); row < num_rows; row += num_global_warps()) {
+    const layout::ScheduleEntry entry = ws.schedule[row];
+    if (entry.src_rank < 0) {
+      warp_zero_16b(x_rows + row * row_vectors, row_vectors);
+    } else {
+      const int4* src = ws.peer<const int4>(entry.src_rank, ws.sym_x) + entry.src_token * row_vectors;
+      warp_copy_16b(x_rows + row * row_vectors, src, row_vectors);
+    }
+  }
+}
+
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads)
+    stage_x_kernel(layout::WorkspacePointers ws, const void* x, int64_t num_tokens) {
+  stage_x(ws, x, num_tokens);
+}
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads) dispatch_pull_kernel(layout::WorkspacePointers ws) {
+  pull_rows(ws);
+}
+
+}  // namespace pounce::dispatch

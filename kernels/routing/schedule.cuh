@@ -1,0 +1,183 @@
+// Receive schedule (DESIGN.md §2), built on the device from the exchanged routing; mirrors
+// reference::build_schedule exactly.
+//
+// Rank r owns experts [r*El, (r+1)*El). For local expert le, the pairs (src, token, slot) with
+// routing_idx[src][token*k + slot] == r*El + le are numbered per source in ascending (token, slot)
+// order: pair i of source s. Sources interleave round-robin, so that pair lands at
+//   row(le, s, i) = group_row_offset[le] + sum_{s'} min(count[le][s'], i) + #{s' < s : count[le][s'] > i}
+// and each segment is padded with {-1,-1,-1} rows up to a multiple of BLOCK_M = 128.
+//
+// Three kernels, no atomics on positions (so the table is identical on every run):
+//   count : one warp per (source, chunk of kScheduleChunk entries): pairs per local expert in the chunk
+//   scan  : one block: exclusive chunk bases per (source, expert), totals, padded segment offsets, padding
+//   place : the count warps again: rank of a pair inside its chunk (warp match + running counters in
+//           shared memory, in entry order) + chunk base = i; write the row.
+// Ids outside [-1, E) are skipped and recorded ("topk_idx value out of range"); rows beyond
+// rows_capacity (only possible with duplicate ids in a token) are dropped and recorded: never an
+// out-of-bounds write.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/common/flags.cuh"
+#include "kernels/layout/workspace_layout.cuh"
+
+namespace pounce::routing {
+
+inline constexpr int kScheduleWarpsPerBlock = 4;
+inline constexpr int kScheduleThreads = kScheduleWarpsPerBlock * 32;
+static_assert(layout::kScheduleChunk % 32 == 0, "a schedule chunk is a whole number of warp steps");
+
+struct SourceRouting {
+  const int32_t* idx;   // [T_s * k] of source s, in this rank's symmetric allocation
+  int64_t num_entries;  // T_s * k
+};
+
+__device__ __forceinline__ SourceRouting source_routing(const layout::WorkspacePointers& ws, int src) {
+  const int32_t num_tokens = ws.local_sym<const int32_t>(ws.sym_routing_tokens)[src];
+  const int64_t tokens = num_tokens < 0 ? 0 : (num_tokens > ws.max_tokens ? ws.max_tokens : num_tokens);
+  return {ws.local_sym<const int32_t>(ws.sym_routing_idx) + src * ws.routing_stride, tokens * ws.num_topk};
+}
+
+// Walks one chunk of a source's entries in (token, slot) order, 32 at a time. For every entry that
+// names a local expert, calls on_pair(entry, local_expert, rank_in_chunk) where rank_in_chunk counts the
+// earlier entries of the chunk with the same expert. `counters` ([El], this warp's) ends holding the
+// per-expert totals of the chunk. When `report` is set, ids outside [-1, E) are recorded.
+template <typename OnPair>
+__device__ __forceinline__ void walk_chunk(const layout::WorkspacePointers& ws, const SourceRouting& source,
+                                           int src, int64_t chunk, int32_t* counters, bool report,
+                                           OnPair on_pair) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int El = ws.num_local_experts;
+  const int first_expert = ws.rank * El;
+  for (int e = lane; e < El; e += 32) counters[e] = 0;
+  __syncwarp();
+  const uint32_t lanes_below = (1u << lane) - 1u;
+  const int64_t chunk_begin = chunk * layout::kScheduleChunk;
+  for (int64_t step = 0; step < layout::kScheduleChunk; step += 32) {
+    const int64_t entry = chunk_begin + step + lane;
+    int32_t expert = -1;
+    if (entry < source.num_entries) {
+      expert = source.idx[entry];
+      if (expert < -1 || expert >= ws.num_experts) {
+        if (report) {
+          flags::record_error(ws, layout::DeviceErrorCode::kExpertOutOfRange, 0, src, ws.num_experts, expert,
+                              entry / ws.num_topk, entry % ws.num_topk);
+        }
+        expert = -1;
+      }
+    }
+    const bool mine = expert >= first_expert && expert < first_expert + El;
+    const int local = mine ? expert - first_expert : -1;
+    const uint32_t same = __match_any_sync(0xffffffffu, local);
+    int32_t base = 0;
+    if (mine) base = counters[local];
+    __syncwarp();
+    if (mine) {
+      on_pair(entry, local, base + __popc(same & lanes_below));
+      if ((same & lanes_below) == 0) counters[local] = base + __popc(same);  // lowest lane of the group
+    }
+    __syncwarp();
+  }
+}
+
+// ---- count: chunk_counts[s][chunk][le] = pairs of source s, chunk `chunk`, for local expert le ----
+__device__ __forceinline__ void schedule_count(const layout::WorkspacePointers& ws, int32_t* smem_counters) {
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int src = static_cast<int>(blockIdx.y);
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kScheduleWarpsPerBlock + warp;
+  if (chunk >= ws.max_chunks) return;
+  int32_t* counters = smem_counters + warp * ws.num_local_experts;
+  const SourceRouting source = source_routing(ws, src);
+  walk_chunk(ws, source, src, chunk, counters, /*report=*/true, [](int64_t, int, int32_t) {});
+  int32_t* out = ws.chunk_counts + (src * ws.max_chunks + chunk) * ws.num_local_experts;
+  for (int e = static_cast<int>(threadIdx.x % 32); e < ws.num_local_experts; e += 32) out[e] = counters[e];
+}
+
+// ---- scan (one block): chunk bases, counts per (expert, source), segment offsets, padding rows ----
+__device__ __forceinline__ void schedule_scan(const layout::WorkspacePointers& ws) {
+  const int El = ws.num_local_experts, R = ws.num_ranks;
+  // Exclusive scan over chunks, in place, per (source, expert); totals into expert_src_count.
+  for (int pair = static_cast<int>(threadIdx.x); pair < El * R; pair += blockDim.x) {
+    const int src = pair / El, expert = pair % El;
+    int32_t running = 0;
+    for (int64_t chunk = 0; chunk < ws.max_chunks; ++chunk) {
+      int32_t* cell = ws.chunk_counts + (src * ws.max_chunks + chunk) * El + expert;
+      const int32_t count = *cell;
+      *cell = running;
+      running += count;
+    }
+    ws.expert_src_count[expert * R + src] = running;
+  }
+  __syncthreads();
+  // Segment offsets: short serial pass (El * R additions), clamped to the capacity.
+  if (threadIdx.x == 0) {
+    int64_t offset = 0;
+    ws.group_row_offset[0] = 0;
+    for (int expert = 0; expert < El; ++expert) {
+      int64_t rows = 0;
+      for (int src = 0; src < R; ++src) rows += ws.expert_src_count[expert * R + src];
+      offset += layout::round_up(rows, layout::kBlockM);
+      if (offset > ws.rows_capacity) {
+        flags::record_error(ws, layout::DeviceErrorCode::kScheduleOverflow, 0, -1, ws.rows_capacity, offset);
+        offset = ws.rows_capacity;
+      }
+      ws.group_row_offset[expert + 1] = static_cast<int32_t>(offset);
+    }
+  }
+  __syncthreads();
+  // Padding rows of every segment (fewer than BLOCK_M each): one warp per expert.
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const int num_warps = static_cast<int>(blockDim.x / 32);
+  for (int expert = warp; expert < El; expert += num_warps) {
+    int64_t rows = 0;
+    for (int src = 0; src < R; ++src) rows += ws.expert_src_count[expert * R + src];
+    const int64_t end = ws.group_row_offset[expert + 1];
+    for (int64_t row = ws.group_row_offset[expert] + rows + lane; row < end; row += 32) {
+      ws.schedule[row] = layout::ScheduleEntry{-1, -1, -1, -1};
+    }
+  }
+}
+
+// ---- place: every pair to its interleaved row ----
+__device__ __forceinline__ void schedule_place(const layout::WorkspacePointers& ws, int32_t* smem_counters) {
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int src = static_cast<int>(blockIdx.y);
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kScheduleWarpsPerBlock + warp;
+  if (chunk >= ws.max_chunks) return;
+  const int El = ws.num_local_experts, R = ws.num_ranks;
+  int32_t* counters = smem_counters + warp * El;
+  const SourceRouting source = source_routing(ws, src);
+  const int32_t* chunk_base = ws.chunk_counts + (src * ws.max_chunks + chunk) * El;
+  walk_chunk(ws, source, src, chunk, counters, /*report=*/false, [&](int64_t entry, int local, int32_t rank) {
+    const int32_t i = chunk_base[local] + rank;
+    const int32_t* count = ws.expert_src_count + local * R;
+    int64_t row = ws.group_row_offset[local];
+    for (int s = 0; s < R; ++s) row += min(count[s], i) + (s < src && count[s] > i ? 1 : 0);
+    if (row < ws.group_row_offset[local + 1]) {
+      ws.schedule[row] = layout::ScheduleEntry{src, static_cast<int32_t>(entry / ws.num_topk),
+                                               static_cast<int32_t>(entry % ws.num_topk), -1};
+    }
+  });
+}
+
+// ---- standalone kernels of the staged path ----
+// count and place: grid (ceil(max_chunks / 4), R), kScheduleThreads threads, 4 * El int32 of dynamic smem.
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads) schedule_count_kernel(layout::WorkspacePointers ws) {
+  static_assert(kNumThreads == kScheduleThreads, "the schedule kernels run kScheduleWarpsPerBlock warps");
+  extern __shared__ int32_t smem_counters[];
+  schedule_count(ws, smem_counters);
+}
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads) schedule_scan_kernel(layout::WorkspacePointers ws) {
+  schedule_scan(ws);
+}
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads) schedule_place_kernel(layout::WorkspacePointers ws) {
+  static_assert(kNumThreads == kScheduleThreads, "the schedule kernels run kScheduleWarpsPerBlock warps");
+  extern __shared__ int32_t smem_counters[];
+  schedule_place(ws, smem_counters);
+}
+
+}  // namespace pounce::routing

@@ -1,0 +1,458 @@
+// The GPU backend's host side (src/gpu_backend.h): devices, NCCL groups, symmetric workspaces, entry points.
+//
+// Group of R > 1 ranks: ncclCommInitRank -> ncclDevCommCreate (device API check, lsaMultimem off) ->
+// per workspace ncclMemAlloc + ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC) -> every peer's symmetric
+// base read once with ncclGetLsaPointer into the workspace's peer map. NVLink multicast is never used.
+// A group of one rank uses no NCCL at all (plain cudaMalloc). Only the CUDA runtime is linked (no libcuda).
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <sstream>
+#include <thread>
+
+#include "src/gpu/gpu_state.h"
+
+namespace pounce::gpu {
+
+void cuda_check(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return;
+  detail::fail("CUDA call failed: ", what, ": ", cudaGetErrorName(status), " (", cudaGetErrorString(status),
+               ")");
+}
+
+namespace {
+
+void nccl_check(ncclResult_t status, const char* what, const char* fix) {
+  if (status == ncclSuccess) return;
+  detail::fail("NCCL call failed: ", what, ": ", ncclGetErrorString(status), " (", ncclGetLastError(nullptr),
+               "); ", fix);
+}
+
+// NVLink SHARP (multicast) is never used (DESIGN.md §3): NCCL must not set it up behind our back.
+void require_nvls_disabled() {
+  const char* value = std::getenv("NCCL_NVLS_ENABLE");
+  if (value == nullptr) {
+    setenv("NCCL_NVLS_ENABLE", "0", 0);
+    return;
+  }
+  POUNCE_CHECK(std::strcmp(value, "0") == 0, "environment NCCL_NVLS_ENABLE = '", value,
+               "': Pounce never uses NVLink multicast; unset it or set NCCL_NVLS_ENABLE=0");
+}
+
+uint64_t peer_timeout_ns() {
+  double seconds = 120.0;
+  if (const char* value = std::getenv("POUNCE_PEER_TIMEOUT_S")) {
+    char* end = nullptr;
+    const double parsed = std::strtod(value, &end);
+    POUNCE_CHECK(end != value && parsed > 0, "environment POUNCE_PEER_TIMEOUT_S = '", value,
+                 "' must be a positive number of seconds");
+    seconds = parsed;
+  }
+  return static_cast<uint64_t>(seconds * 1e9);
+}
+
+__global__ void read_peer_bases_kernel(ncclWindow_t window, int num_ranks, uint64_t* peer_base) {
+  for (int peer = static_cast<int>(threadIdx.x); peer < num_ranks; peer += blockDim.x) {
+    peer_base[peer] = reinterpret_cast<uint64_t>(ncclGetLsaPointer(window, 0, peer));
+  }
+}
+
+}  // namespace
+
+DeviceGuard::DeviceGuard(int device) {
+  POUNCE_CUDA(cudaGetDevice(&previous_));
+  if (previous_ != device) POUNCE_CUDA(cudaSetDevice(device));
+}
+DeviceGuard::~DeviceGuard() {
+  int current = -1;
+  if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
+}
+
+CommOwner::~CommOwner() {
+  std::vector<std::thread> threads;
+  for (Member& member : members) {
+    threads.emplace_back([&member] {
+      if (cudaSetDevice(member.device) != cudaSuccess) return;
+      if (member.has_dev_comm) ncclDevCommDestroy(member.comm, &member.dev_comm);
+      if (member.comm != nullptr) ncclCommDestroy(member.comm);
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+}
+
+ncclComm_t GpuGroup::comm() const {
+  return owner ? owner->members[owner->members.size() == 1 ? 0 : rank].comm : nullptr;
+}
+const ncclDevComm* GpuGroup::dev_comm() const {
+  return owner ? &owner->members[owner->members.size() == 1 ? 0 : rank].dev_comm : nullptr;
+}
+
+// ---- devices ----
+
+int device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return 0;
+  }
+  return count;
+}
+
+std::string describe_devices() {
+  std::ostringstream out;
+  const int count = device_count();
+  for (int device = 0; device < count; ++device) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) continue;
+    out << "cuda:" << device << " " << prop.name << ", cc " << prop.major << "." << prop.minor << ", "
+        << prop.multiProcessorCount << " SMs, " << (prop.totalGlobalMem >> 20) << " MiB, "
+        << (prop.sharedMemPerBlockOptin >> 10) << " KiB smem/block";
+    for (int peer = 0; peer < count; ++peer) {
+      int access = 0;
+      if (peer != device && cudaDeviceCanAccessPeer(&access, device, peer) == cudaSuccess && access) {
+        out << ", peer cuda:" << peer;
+      }
+    }
+    out << "\n";
+  }
+  return out.str();
+}
+
+std::string nccl_runtime_version() {
+  int version = 0;
+  if (ncclGetVersion(&version) != ncclSuccess || version <= 0) return "";
+  std::ostringstream out;
+  out << version / 10000 << "." << (version / 100) % 100 << "." << version % 100;
+  return out.str();
+}
+
+// ---- groups ----
+
+std::vector<uint8_t> new_unique_id() {
+  ncclUniqueId id;
+  nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId", "check that NCCL can open a bootstrap socket");
+  return std::vector<uint8_t>(id.internal, id.internal + NCCL_UNIQUE_ID_BYTES);
+}
+
+std::shared_ptr<GpuGroup> create_group(int rank, int num_ranks, const std::vector<uint8_t>& unique_id) {
+  POUNCE_CHECK(num_ranks >= 1, "num_ranks = ", num_ranks, " must be at least 1");
+  POUNCE_CHECK(rank >= 0 && rank < num_ranks, "rank = ", rank, " is out of range [0, num_ranks = ", num_ranks,
+               ")");
+  POUNCE_CHECK(device_count() > 0, "no CUDA GPU is visible: a GPU group needs one GPU per rank");
+  auto group = std::make_shared<GpuGroup>();
+  group->rank = rank;
+  group->num_ranks = num_ranks;
+  POUNCE_CUDA(cudaGetDevice(&group->device));
+  if (num_ranks == 1) return group;  // EP = 1: no communicator, no NCCL call at all
+
+  POUNCE_CHECK(unique_id.size() == NCCL_UNIQUE_ID_BYTES, "unique_id has ", unique_id.size(),
+               " bytes; pass the ", NCCL_UNIQUE_ID_BYTES, " bytes of Group::new_unique_id() from rank 0");
+  require_nvls_disabled();
+  ncclUniqueId id;
+  std::memcpy(id.internal, unique_id.data(), NCCL_UNIQUE_ID_BYTES);
+
+  auto owner = std::make_shared<CommOwner>();
+  owner->members.resize(1);
+  CommOwner::Member& member = owner->members[0];
+  member.device = group->device;
+  nccl_check(ncclCommInitRank(&member.comm, num_ranks, id, rank), "ncclCommInitRank",
+             "every rank must call Group::create_nccl with the same unique_id and num_ranks");
+  group->owner = owner;
+
+  ncclDevCommRequirements requirements{};
+  requirements.lsaMultimem = false;  // no NVLink multicast
+  requirements.lsaBarrierCount = 1;
+  const ncclResult_t status = ncclDevCommCreate(member.comm, &requirements, &member.dev_comm);
+  POUNCE_CHECK(status == ncclSuccess, "ncclDevCommCreate failed (", ncclGetErrorString(status), ": ",
+               ncclGetLastError(member.comm),
+               "): this NCCL or this system does not offer the symmetric-memory device API that Pounce needs "
+               "(NCCL >= 2.28 with GPUs joined by NVLink, load/store reachable)");
+  member.has_dev_comm = true;
+  POUNCE_CHECK(member.dev_comm.lsaSize == num_ranks && member.dev_comm.lsaRank == rank, "NCCL reports ",
+               member.dev_comm.lsaSize, " of ", num_ranks, " ranks load/store reachable from rank ", rank,
+               ": Pounce needs every rank of the group inside one NVLink domain for now (multi-node is a "
+               "later transport)");
+  return group;
+}
+
+std::vector<std::shared_ptr<GpuGroup>> create_local_groups(int num_ranks) {
+  const int count = device_count();
+  POUNCE_CHECK(num_ranks >= 1 && num_ranks <= count, "num_ranks = ", num_ranks, " but this process sees ",
+               count, " CUDA GPU(s): one rank per GPU, so ask for at most ", count,
+               " (CUDA_VISIBLE_DEVICES selects them)");
+  std::vector<std::shared_ptr<GpuGroup>> groups(num_ranks);
+  if (num_ranks == 1) {
+    DeviceGuard guard(0);
+    groups[0] = create_group(0, 1, {});
+    return groups;
+  }
+  require_nvls_disabled();
+  const std::vector<uint8_t> unique_id = new_unique_id();
+  std::vector<std::exception_ptr> errors(num_ranks);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < num_ranks; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        POUNCE_CUDA(cudaSetDevice(rank));
+        groups[rank] = create_group(rank, num_ranks, unique_id);
+      } catch (...) {
+        errors[rank] = std::current_exception();
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (const std::exception_ptr& error : errors) {
+    if (error) std::rethrow_exception(error);
+  }
+  // One owner for all communicators: whichever thread drops the last group releases them together.
+  auto owner = std::make_shared<CommOwner>();
+  for (auto& group : groups) {
+    owner->members.push_back(group->owner->members[0]);
+    group->owner->members.clear();
+  }
+  for (auto& group : groups) group->owner = owner;
+  return groups;
+}
+
+// ---- workspace ----
+
+layout::WorkspacePointers GpuWorkspace::pointers() const {
+  const layout::WorkspaceLayout& l = layout;
+  char* loc = static_cast<char*>(local);
+  auto at = [loc](int64_t offset) { return static_cast<void*>(loc + offset); };
+  layout::WorkspacePointers p{};
+  p.rank = rank;
+  p.num_ranks = static_cast<int32_t>(l.num_ranks);
+  p.num_local_experts = static_cast<int32_t>(l.num_local_experts);
+  p.num_experts = static_cast<int32_t>(l.num_experts);
+  p.num_topk = static_cast<int32_t>(l.num_topk);
+  p.hidden = l.hidden;
+  p.intermediate = l.intermediate;
+  p.shared_intermediate = l.shared_intermediate;
+  p.max_tokens = l.max_tokens;
+  p.rows_capacity = l.rows_capacity;
+  p.token_capacity = l.token_capacity;
+  p.routing_stride = l.routing_stride;
+  p.max_chunks = l.max_chunks;
+  p.timeout_ns = timeout_ns;
+  p.symmetric = static_cast<char*>(symmetric);
+  p.peer_base = static_cast<const uint64_t*>(at(l.loc_peer_base));
+  p.sym_barrier_inbox = l.sym_barrier_inbox;
+  p.sym_routing_tokens = l.sym_routing_tokens;
+  p.sym_routing_idx = l.sym_routing_idx;
+  p.sym_x = l.sym_x;
+  p.sym_y_slots = l.sym_y_slots;
+  p.barrier_epoch = static_cast<uint32_t*>(at(l.loc_barrier_epoch));
+  p.error_claim = static_cast<int32_t*>(at(l.loc_error_claim));
+  p.error = error_device;
+  p.chunk_counts = static_cast<int32_t*>(at(l.loc_chunk_counts));
+  p.expert_src_count = static_cast<int32_t*>(at(l.loc_expert_src_count));
+  p.group_row_offset = static_cast<int32_t*>(at(l.loc_group_row_offset));
+  p.shared_row_offset = static_cast<int32_t*>(at(l.loc_shared_row_offset));
+  p.schedule = static_cast<layout::ScheduleEntry*>(at(l.loc_schedule));
+  p.x_rows = at(l.loc_x_rows);
+  p.g_rows = at(l.loc_g_rows);
+  p.u_rows = at(l.loc_u_rows);
+  p.act_rows = at(l.loc_act_rows);
+  p.y_rows = at(l.loc_y_rows);
+  p.shared_g = at(l.loc_shared_g);
+  p.shared_u = at(l.loc_shared_u);
+  p.shared_act = at(l.loc_shared_act);
+  p.shared_y = at(l.loc_shared_y);
+  return p;
+}
+
+namespace {
+
+void destroy_workspace(GpuWorkspace* workspace) {
+  if (workspace == nullptr) return;
+  if (cudaSetDevice(workspace->device) == cudaSuccess) {
+    cudaDeviceSynchronize();  // peers may still read or write this rank's symmetric memory: see below
+    if (workspace->window != nullptr) {
+      // Collective: returns once every rank deregistered, i.e. after every rank's work finished.
+      ncclCommWindowDeregister(workspace->group->comm(), workspace->window);
+      ncclMemFree(workspace->symmetric);
+    } else if (workspace->symmetric != nullptr) {
+      cudaFree(workspace->symmetric);
+    }
+    if (workspace->local != nullptr) cudaFree(workspace->local);
+    if (workspace->error_host != nullptr) cudaFreeHost(workspace->error_host);
+    if (workspace->side_stream != nullptr) cudaStreamDestroy(workspace->side_stream);
+  }
+  delete workspace;
+}
+
+void validate_workspace_shape(const GpuGroup& group, int rank, const Shape& shape, const Config& config,
+                              const layout::WorkspaceLayout& l) {
+  POUNCE_CHECK(shape.num_ranks == group.num_ranks, "shape.num_ranks = ", shape.num_ranks,
+               " but the group has ", group.num_ranks, " ranks; set shape.num_ranks to the group size");
+  POUNCE_CHECK(rank == group.rank, "rank = ", rank, " but the group is rank ", group.rank);
+  POUNCE_CHECK(shape.hidden % 64 == 0, "shape.hidden = ", shape.hidden,
+               " must be a multiple of 64 for the GPU GEMMs; pad the model dimension");
+  POUNCE_CHECK(shape.intermediate % 64 == 0, "shape.intermediate = ", shape.intermediate,
+               " must be a multiple of 64 for the GPU GEMMs");
+  POUNCE_CHECK(shape.shared_intermediate % 64 == 0, "shape.shared_intermediate = ", shape.shared_intermediate,
+               " must be 0 or a multiple of 64 for the GPU GEMMs");
+  POUNCE_CHECK(l.rows_capacity < (int64_t{1} << 31) && shape.max_tokens * shape.num_topk < (int64_t{1} << 31),
+               "the worst-case receive schedule (", l.rows_capacity,
+               " rows for max_tokens = ", shape.max_tokens,
+               ") does not fit 32-bit row indices; lower max_tokens");
+  POUNCE_CHECK(config.macrobatch_size == 0 || config.macrobatch_size >= l.rows_capacity,
+               "config.macrobatch_size = ", config.macrobatch_size,
+               " is below the worst-case routed rows of this shape (", l.rows_capacity,
+               "): the GPU path does not loop over macrobatches yet; pass 0 (worst case) or at least ",
+               l.rows_capacity);
+}
+
+}  // namespace
+
+GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup> group, int rank, const Shape& shape,
+                                 const Config& config) {
+  POUNCE_CHECK(group != nullptr, "create_workspace needs a GPU group");
+  const layout::WorkspaceLayout l = layout::WorkspaceLayout::make(
+      shape.max_tokens, shape.hidden, shape.intermediate, shape.shared_intermediate, shape.num_experts,
+      shape.num_topk, shape.num_ranks);
+  validate_workspace_shape(*group, rank, shape, config, l);
+  DeviceGuard guard(group->device);
+
+  GpuWorkspacePtr workspace(new GpuWorkspace, destroy_workspace);
+  GpuWorkspace& ws = *workspace;
+  ws.group = group;
+  ws.rank = rank;
+  ws.device = group->device;
+  ws.shape = shape;
+  ws.config = config;
+  ws.layout = l;
+  ws.timeout_ns = peer_timeout_ns();
+  POUNCE_CUDA(cudaDeviceGetAttribute(&ws.num_sms, cudaDevAttrMultiProcessorCount, ws.device));
+  POUNCE_CUDA(cudaStreamCreateWithFlags(&ws.side_stream, cudaStreamNonBlocking));
+  POUNCE_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&ws.error_host), sizeof(layout::DeviceErrorRecord),
+                            cudaHostAllocMapped));
+  std::memset(ws.error_host, 0, sizeof(layout::DeviceErrorRecord));
+  POUNCE_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ws.error_device), ws.error_host, 0));
+
+  POUNCE_CUDA(cudaMalloc(&ws.local, l.local_bytes));
+  POUNCE_CUDA(cudaMemset(ws.local, 0, l.local_bytes));
+  uint64_t* peer_base = reinterpret_cast<uint64_t*>(static_cast<char*>(ws.local) + l.loc_peer_base);
+  if (group->num_ranks == 1) {
+    POUNCE_CUDA(cudaMalloc(&ws.symmetric, l.symmetric_bytes));
+    POUNCE_CUDA(cudaMemset(ws.symmetric, 0, l.symmetric_bytes));
+    const uint64_t base = reinterpret_cast<uint64_t>(ws.symmetric);
+    POUNCE_CUDA(cudaMemcpy(peer_base, &base, sizeof(base), cudaMemcpyHostToDevice));
+  } else {
+    nccl_check(ncclMemAlloc(&ws.symmetric, l.symmetric_bytes), "ncclMemAlloc",
+               "free device memory or lower max_tokens (Workspace::bytes_required gives the size)");
+    // Zeroed (barrier inboxes included) before the collective registration, which no rank leaves before
+    // every rank entered it: no peer can arrive at a barrier of this workspace before it is zero.
+    POUNCE_CUDA(cudaMemset(ws.symmetric, 0, l.symmetric_bytes));
+    POUNCE_CUDA(cudaDeviceSynchronize());
+    const ncclResult_t status = ncclCommWindowRegister(group->comm(), ws.symmetric, l.symmetric_bytes,
+                                                       &ws.window, NCCL_WIN_COLL_SYMMETRIC);
+    if (status != ncclSuccess) {
+      ws.window = nullptr;
+      detail::fail(
+          "ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC) failed (", ncclGetErrorString(status), ": ",
+          ncclGetLastError(group->comm()),
+          "): symmetric memory registration is unavailable; Pounce needs NCCL >= 2.28 symmetric windows "
+          "over NVLink (every rank must create the workspace with the same shape and config)");
+    }
+    read_peer_bases_kernel<<<1, 32>>>(ws.window, group->num_ranks, peer_base);
+    POUNCE_CUDA(cudaGetLastError());
+  }
+  POUNCE_CUDA(cudaDeviceSynchronize());
+  return workspace;
+}
+
+// ---- errors ----
+
+void check_device_errors(GpuWorkspace& workspace) {
+  volatile layout::DeviceErrorRecord* record = workspace.error_host;
+  const int32_t code = record->code;
+  if (code == 0) return;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const layout::DeviceErrorRecord copy{code,          record->wait_id,  record->rank,
+                                       record->peer,  record->expected, record->observed,
+                                       record->token, record->slot};
+  // Clear for the next call: host record first, then the device claim flag on a private stream.
+  record->code = 0;
+  {
+    DeviceGuard guard(workspace.device);
+    const auto p = workspace.pointers();
+    POUNCE_CUDA(cudaMemsetAsync(p.error_claim, 0, sizeof(int32_t), workspace.side_stream));
+    POUNCE_CUDA(cudaStreamSynchronize(workspace.side_stream));
+  }
+  std::ostringstream out;
+  switch (static_cast<layout::DeviceErrorCode>(copy.code)) {
+    case layout::DeviceErrorCode::kWaitTimeout: {
+      const char* which = copy.wait_id == static_cast<int32_t>(layout::WaitId::kRoutingBarrier)   ? "routing"
+                          : copy.wait_id == static_cast<int32_t>(layout::WaitId::kCombineBarrier) ? "combine"
+                                                                                                  : "unknown";
+      out << "GPU wait timed out: rank " << copy.rank << " waited at the " << which << " barrier for rank "
+          << copy.peer << " (expected epoch " << copy.expected << ", observed " << copy.observed
+          << ") longer than POUNCE_PEER_TIMEOUT_S; every rank must call forward/backward with its workspace "
+             "(is a rank stuck or dead?). The group's barrier state is now inconsistent: recreate the "
+             "workspaces";
+      break;
+    }
+    case layout::DeviceErrorCode::kExpertOutOfRange:
+      out << "topk_idx value out of range: rank " << copy.rank << " found topk_idx[" << copy.token << ", "
+          << copy.slot << "] = " << copy.observed << " of source rank " << copy.peer << ", outside [-1, "
+          << copy.expected
+          << "); expert ids must be global ids below num_experts, or -1 (that slot was skipped)";
+      break;
+    case layout::DeviceErrorCode::kScheduleOverflow:
+      out << "receive schedule overflow on rank " << copy.rank << ": the routing needs " << copy.observed
+          << " rows but the worst case for distinct expert ids per token is " << copy.expected
+          << "; a token names the same expert in several slots (rows beyond the capacity were dropped)";
+      break;
+    default:
+      out << "unknown device error code " << copy.code << " on rank " << copy.rank;
+  }
+  throw Error(out.str());
+}
+
+ForwardContextView forward_context(const GpuWorkspace& workspace) {
+  const layout::WorkspacePointers p = workspace.pointers();
+  ForwardContextView view;
+  view.schedule = reinterpret_cast<const int32_t*>(p.schedule);
+  view.group_row_offset = p.group_row_offset;
+  view.expert_src_count = p.expert_src_count;
+  view.x_rows = p.x_rows;
+  view.act_rows = p.act_rows;
+  view.y_rows = p.y_rows;
+  view.y_slots = p.local_sym<const void>(p.sym_y_slots);
+  view.shared_y = workspace.shape.shared_intermediate > 0 ? p.shared_y : nullptr;
+  view.rows_capacity = p.rows_capacity;
+  return view;
+}
+
+// ---- passes ----
+
+namespace {
+void check_forward_supported(GpuWorkspace& workspace) {
+  check_device_errors(workspace);
+  POUNCE_CHECK(workspace.config.precision == Precision::kBF16,
+               "config.precision = fp8 is not implemented on GPUs yet; use Precision::kBF16");
+}
+}  // namespace
+
+void forward(GpuWorkspace& workspace, const ForwardArgs& args, void* stream) {
+  check_forward_supported(workspace);
+  launch_staged_forward(workspace, args, static_cast<cudaStream_t>(stream), /*write_out=*/true);
+}
+
+void recompute_forward_context(GpuWorkspace& workspace, const ForwardArgs& args, void* stream) {
+  check_forward_supported(workspace);
+  launch_staged_forward(workspace, args, static_cast<cudaStream_t>(stream), /*write_out=*/false);
+}
+
+void backward(GpuWorkspace&, const BackwardArgs&, void*) {
+  throw Error("backward on GPUs is not implemented yet (issue #5)");
+}
+
+}  // namespace pounce::gpu

@@ -1,0 +1,83 @@
+// Definitions of the GPU backend's opaque group and workspace (src/gpu_backend.h), shared by src/gpu/*.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/layout/workspace_layout.cuh"
+#include "pounce/config.h"
+#include "pounce/error.h"
+#include "pounce/shape.h"
+#include "src/gpu_backend.h"
+
+namespace pounce::gpu {
+
+// Throws pounce::Error naming the call when a CUDA runtime call fails.
+void cuda_check(cudaError_t status, const char* what);
+#define POUNCE_CUDA(call) ::pounce::gpu::cuda_check((call), #call)
+
+// Sets the current device for the scope and restores the caller's afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+// NCCL communicators destroyed together, one thread per communicator, so that ranks driven by one thread
+// (Group::create_nccl_local) can be released from any thread without a collective deadlock.
+struct CommOwner {
+  struct Member {
+    int device = 0;
+    ncclComm_t comm = nullptr;
+    ncclDevComm dev_comm{};
+    bool has_dev_comm = false;
+  };
+  std::vector<Member> members;
+  ~CommOwner();
+};
+
+struct GpuGroup {
+  int rank = 0;
+  int num_ranks = 1;
+  int device = 0;
+  std::shared_ptr<CommOwner> owner;  // null for a group of one rank (no NCCL)
+  ncclComm_t comm() const;
+  const ncclDevComm* dev_comm() const;
+};
+
+struct GpuWorkspace {
+  std::shared_ptr<GpuGroup> group;
+  int rank = 0;
+  int device = 0;
+  int num_sms = 0;
+  Shape shape;
+  Config config;
+  layout::WorkspaceLayout layout;
+  void* symmetric = nullptr;                        // ncclMemAlloc (R > 1) or cudaMalloc (R = 1)
+  ncclWindow_t window = nullptr;                    // R > 1 only
+  void* local = nullptr;                            // cudaMalloc
+  layout::DeviceErrorRecord* error_host = nullptr;  // cudaHostAlloc(mapped)
+  layout::DeviceErrorRecord* error_device = nullptr;
+  cudaStream_t side_stream = nullptr;  // clears the error claim flag; never captured
+  uint64_t timeout_ns = 0;
+
+  layout::WorkspacePointers pointers() const;
+};
+
+// Launches the staged forward on `stream` (src/gpu/staged_forward.cu). `write_out` = false rebuilds the
+// forward context only (recompute_forward_context).
+void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
+                           bool write_out);
+
+}  // namespace pounce::gpu

@@ -1,0 +1,35 @@
+// The subcommands of the `pounce` tool; each returns the process exit code.
+//   0 success, 1 a correctness check failed, 2 an error (pounce::Error, no GPU for `bench`).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "tools/cli/run_setup.h"
+
+namespace pounce::cli {
+
+int run_command(const RunOptions& options);
+
+struct InfoOptions {
+  std::string json;  // "" = none, "-" = stdout
+};
+int info_command(const InfoOptions& options);
+
+struct BenchOptions {
+  std::vector<std::string> presets = {"qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b", "mixtral-8x7b"};
+  std::vector<int64_t> tokens = {4096, 8192};
+  std::vector<std::string> impls = {"fused"};
+  int ranks = 0;  // 0 = every visible GPU
+  int warmup = 3;
+  int iters = 20;
+  uint64_t seed = 2026;
+  bool no_baseline = false;
+  std::string torchrun = "torchrun";
+  std::string baseline_script = "bench/baselines/torch_moe.py";
+  std::string name;  // results file stem; "" = pounce-<UTC date>
+  std::string out;   // "" = bench/results/<name>.json
+};
+int bench_command(const BenchOptions& options, const std::string& command_line);
+
+}  // namespace pounce::cli

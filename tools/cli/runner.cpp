@@ -1,0 +1,243 @@
+#include "tools/cli/runner.h"
+
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <thread>
+
+#include "pounce/error.h"
+#include "pounce/group.h"
+#include "pounce/layer.h"
+#include "pounce/workspace.h"
+#include "reference/bf16.h"
+
+namespace pounce::cli {
+
+// ---- per-rank driver -----------------------------------------------------------------------------------
+
+RankResult drive_rank(RankRunner& runner, const RunRequest& request, int rank) {
+  RankResult result;
+  const int total = request.warmup + request.iters;
+  bool backward = request.run_backward;
+  std::vector<uint8_t> first;
+  for (int run = 0; run < total; ++run) {
+    const bool last = run == total - 1;
+    if (run == 0 || last) runner.poison();
+    if (rank == 0 && request.progress != nullptr)
+      request.progress->stage("forward" + std::string(backward ? " + backward" : "") + ", run " +
+                              std::to_string(run + 1) + " of " + std::to_string(total));
+    const double forward_ms = runner.forward();
+    double backward_ms = 0.0;
+    if (backward) {
+      try {
+        backward_ms = runner.backward();
+        result.backward_ran = true;
+      } catch (const Error& error) {
+        // Reported, not fatal: the forward results still stand (e.g. a GPU backward not implemented yet).
+        const std::string message = error.what();
+        result.backward_error = message.rfind("pounce: ", 0) == 0 ? message.substr(8) : message;
+        result.backward_ran = false;
+        backward = false;
+      }
+    }
+    if (run >= request.warmup) {
+      result.forward_ms.push_back(forward_ms);
+      if (backward) result.backward_ms.push_back(backward_ms);
+    }
+    if (run == 0) {
+      if (request.plan != nullptr)
+        result.observed =
+            gather_rank(*request.plan, request.problem->shape, rank, runner.outputs(*request.plan, backward));
+      if (total > 1) first = runner.snapshot(backward);
+    }
+    if (last && total > 1) result.repeat_bitwise_equal = runner.snapshot(backward) == first;
+  }
+  if (!backward) result.backward_ms.clear();
+  return result;
+}
+
+RunOutcome combine(std::vector<RankResult> results) {
+  RunOutcome outcome;
+  if (results.empty()) return outcome;
+  outcome.backward_ran = true;
+  for (const RankResult& rank : results) {
+    outcome.backward_ran &= rank.backward_ran;
+    if (outcome.backward_error.empty()) outcome.backward_error = rank.backward_error;
+    if (rank.repeat_bitwise_equal)
+      outcome.repeat_bitwise_equal =
+          outcome.repeat_bitwise_equal.value_or(true) && *rank.repeat_bitwise_equal;
+    outcome.observed.append(rank.observed);
+  }
+  auto per_run_max = [&](auto member) {
+    size_t runs = (results[0].*member).size();
+    for (const RankResult& rank : results) runs = std::min(runs, (rank.*member).size());
+    std::vector<double> out(runs, 0.0);
+    for (const RankResult& rank : results)
+      for (size_t i = 0; i < runs; ++i) out[i] = std::max(out[i], (rank.*member)[i]);
+    return out;
+  };
+  outcome.forward_ms = per_run_max(&RankResult::forward_ms);
+  if (outcome.backward_ran) outcome.backward_ms = per_run_max(&RankResult::backward_ms);
+  return outcome;
+}
+
+// ---- CPU backend ---------------------------------------------------------------------------------------
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+ElementReader bf16_reader(const void* data) {
+  const auto* bits = static_cast<const uint16_t*>(data);
+  return [bits](int64_t i) { return static_cast<double>(reference::bf16_bits_to_float(bits[i])); };
+}
+
+ElementReader fp32_reader(const void* data) {
+  const auto* values = static_cast<const float*>(data);
+  return [values](int64_t i) { return static_cast<double>(values[i]); };
+}
+
+void* mutable_data(const void* data) {
+  return const_cast<void*>(data);
+}  // views are read-only for inputs
+
+// Host memory with room for `numel` fp32 values (so it also holds bf16); operator new aligns it to 16 bytes.
+struct HostBuffer {
+  std::vector<float> storage;
+  explicit HostBuffer(int64_t numel = 0) : storage(numel) {}
+  void* data() { return storage.data(); }
+  size_t bytes() const { return storage.size() * sizeof(float); }
+};
+
+class CpuRankRunner final : public RankRunner {
+ public:
+  CpuRankRunner(const Group& group, const RunRequest& request, int rank)
+      : request_(request),
+        shape_(request.problem->shape),
+        workspace_(group, request.problem->shape, request.config) {
+    const HostRank& in = request.problem->ranks[rank];
+    const HostWeights& shared = request.problem->shared;
+    const int64_t T = in.num_tokens, H = shape_.hidden, I = shape_.intermediate, k = shape_.num_topk;
+    const int64_t El = shape_.num_local_experts(), Is = shape_.shared_intermediate;
+    const DType wgrad = request.wgrad_fp32 ? DType::kFP32 : DType::kBF16;
+
+    out_ = HostBuffer(T * H);
+    d_x_ = HostBuffer(T * H);
+    d_topk_ = HostBuffer(T * k);
+    for (HostBuffer& grad : d_routed_) grad = HostBuffer(El * I * H);
+    for (HostBuffer& grad : d_shared_) grad = HostBuffer(Is * H);
+
+    ForwardArgs& f = args_.inputs;
+    f.x = TensorView(mutable_data(in.x.data()), DType::kBF16, {T, H});
+    f.topk_idx = TensorView(mutable_data(in.topk_idx.data()), DType::kInt32, {T, k});
+    f.topk_weights = TensorView(mutable_data(in.topk_weights.data()), DType::kFP32, {T, k});
+    f.routed = {TensorView(mutable_data(in.routed.gate.data()), DType::kBF16, {El, I, H}),
+                TensorView(mutable_data(in.routed.up.data()), DType::kBF16, {El, I, H}),
+                TensorView(mutable_data(in.routed.down.data()), DType::kBF16, {El, H, I})};
+    f.out = TensorView(out_.data(), DType::kBF16, {T, H});
+    args_.d_out = TensorView(mutable_data(in.d_out.data()), DType::kBF16, {T, H});
+    args_.d_x = TensorView(d_x_.data(), DType::kBF16, {T, H});
+    args_.d_topk_weights = TensorView(d_topk_.data(), DType::kFP32, {T, k});
+    args_.d_routed = {TensorView(d_routed_[0].data(), wgrad, {El, I, H}),
+                      TensorView(d_routed_[1].data(), wgrad, {El, I, H}),
+                      TensorView(d_routed_[2].data(), wgrad, {El, H, I})};
+    if (Is > 0) {
+      f.shared = {TensorView(mutable_data(shared.gate.data()), DType::kBF16, {Is, H}),
+                  TensorView(mutable_data(shared.up.data()), DType::kBF16, {Is, H}),
+                  TensorView(mutable_data(shared.down.data()), DType::kBF16, {H, Is})};
+      args_.d_shared = {TensorView(d_shared_[0].data(), wgrad, {Is, H}),
+                        TensorView(d_shared_[1].data(), wgrad, {Is, H}),
+                        TensorView(d_shared_[2].data(), wgrad, {H, Is})};
+    }
+  }
+
+  void poison() override {
+    for (HostBuffer* buffer : all_outputs()) std::memset(buffer->data(), 0xff, buffer->bytes());
+  }
+
+  double forward() override {
+    const auto start = Clock::now();
+    pounce::forward(workspace_, args_.inputs);
+    return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  }
+
+  double backward() override {
+    const auto start = Clock::now();
+    pounce::backward(workspace_, args_);
+    return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  }
+
+  RankOutputs outputs(const CheckPlan&, bool with_backward) override {
+    RankOutputs readers;
+    readers[Field::kOut] = bf16_reader(out_.data());
+    if (!with_backward) return readers;
+    readers[Field::kDX] = bf16_reader(d_x_.data());
+    readers[Field::kDTopkWeights] = fp32_reader(d_topk_.data());
+    auto grad_reader = request_.wgrad_fp32 ? fp32_reader : bf16_reader;
+    readers[Field::kDRoutedGate] = grad_reader(d_routed_[0].data());
+    readers[Field::kDRoutedUp] = grad_reader(d_routed_[1].data());
+    readers[Field::kDRoutedDown] = grad_reader(d_routed_[2].data());
+    if (shape_.has_shared_expert()) {
+      readers[Field::kDSharedGate] = grad_reader(d_shared_[0].data());
+      readers[Field::kDSharedUp] = grad_reader(d_shared_[1].data());
+      readers[Field::kDSharedDown] = grad_reader(d_shared_[2].data());
+    }
+    return readers;
+  }
+
+  std::vector<uint8_t> snapshot(bool with_backward) override {
+    std::vector<uint8_t> bytes;
+    auto add = [&](HostBuffer& buffer) {
+      const auto* begin = static_cast<const uint8_t*>(buffer.data());
+      bytes.insert(bytes.end(), begin, begin + buffer.bytes());
+    };
+    add(out_);
+    if (with_backward) {
+      add(d_x_);
+      add(d_topk_);
+    }
+    return bytes;
+  }
+
+ private:
+  std::vector<HostBuffer*> all_outputs() {
+    return {&out_,         &d_x_,         &d_topk_,      &d_routed_[0], &d_routed_[1],
+            &d_routed_[2], &d_shared_[0], &d_shared_[1], &d_shared_[2]};
+  }
+
+  const RunRequest& request_;
+  Shape shape_;
+  Workspace workspace_;
+  BackwardArgs args_;
+  HostBuffer out_, d_x_, d_topk_;
+  HostBuffer d_routed_[3], d_shared_[3];
+};
+
+}  // namespace
+
+RunOutcome run_on_cpu(const RunRequest& request) {
+  const int R = static_cast<int>(request.problem->shape.num_ranks);
+  std::vector<Group> groups = Group::create_cpu(R);
+  std::vector<RankResult> results(R);
+  std::vector<std::exception_ptr> errors(R);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < R; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        CpuRankRunner runner(groups[rank], request, rank);
+        results[rank] = drive_rank(runner, request, rank);
+      } catch (...) {
+        errors[rank] = std::current_exception();
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (const std::exception_ptr& error : errors)
+    if (error) std::rethrow_exception(error);
+  RunOutcome outcome = combine(std::move(results));
+  outcome.device = "CPU reference backend, " + std::to_string(R) + " simulated rank" + (R > 1 ? "s" : "") +
+                   " (one thread each)";
+  return outcome;
+}
+
+}  // namespace pounce::cli
