@@ -556,6 +556,18 @@ TEST(StagedForward, TwoRanksMediumAdversarial) {
                 Mode::kEagerTwice, "two ranks medium");
 }
 
+// DESIGN.md §6 shape matrix at the large end: 4096 tokens per rank, top-1 and top-8, with a shared expert.
+TEST(StagedForward, TwoRanksLargeTopOneAndTopEight) {
+  SKIP_UNLESS_GPUS(2);
+  for (int64_t k : {1, 8}) {
+    const Model m = make_model(make_shape(4096, 256, 128, 16, k, 128, 2), pounce::Activation::swiglu(), 20 + k);
+    run_and_check(m,
+                  {{{4096, 4096}, Routing::kRandom, false, 21},
+                   {{4096, 127}, Routing::kAllToOneExpert, true, 22}},
+                  Mode::kEagerTwice, "two ranks large k=" + std::to_string(k));
+  }
+}
+
 TEST(StagedForward, CudaGraphReplaysNewRouting) {
   SKIP_UNLESS_GPUS(1);
   const int R = visible_gpus() >= 2 ? 2 : 1;
