@@ -11,15 +11,16 @@ out="${OUT:-/tmp/pounce_out}"
 mkdir -p "$out"
 build="${POUNCE_BUILD_DIR:-build}"
 
-if [ ! -x "$build/pounce_gpu_tests" ]; then
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$out/configure.log" 2>&1 &&
-    cmake --build "$build" --parallel >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+tests="$build/tests/pounce_gpu_tests"
+if [ ! -x "$tests" ]; then
+  echo "no $tests: build on the CPU machine (./tools/setup.sh) and carry the build folder" >&2
+  exit 1
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$out/gpus.txt"
 
 summary=()
 for pass in 1 2; do
-  "$build/pounce_gpu_tests" --gtest_output="json:$out/gpu_tests_$pass.json" ${POUNCE_GTEST_FILTER:+--gtest_filter=$POUNCE_GTEST_FILTER} \
+  "$tests" --gtest_output="json:$out/gpu_tests_$pass.json" ${POUNCE_GTEST_FILTER:+--gtest_filter=$POUNCE_GTEST_FILTER} \
     >"$out/gpu_tests_$pass.log" 2>&1
   rc=$?
   summary+=("gpu tests pass $pass: rc=$rc $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/gpu_tests_$pass.log" | tr '\n' ' ')")
