@@ -21,6 +21,8 @@ std::string nccl_runtime_version();  // "" when unknown
 std::vector<uint8_t> new_unique_id();
 std::shared_ptr<GpuGroup> create_group(int rank, int num_ranks, const std::vector<uint8_t>& unique_id);
 std::vector<std::shared_ptr<GpuGroup>> create_local_groups(int num_ranks);
+// torchrun / mpirun environment: sets the device to LOCAL_RANK; returns the rank and group size too.
+std::shared_ptr<GpuGroup> create_group_from_env(int* rank, int* num_ranks);
 
 // Owning handle; the deleter frees device memory (collective deregistration on GPUs).
 using GpuWorkspacePtr = std::unique_ptr<GpuWorkspace, void (*)(GpuWorkspace*)>;

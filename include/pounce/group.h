@@ -25,6 +25,9 @@ class Group {
   // the others by the caller (torch.distributed, MPI, a file). Uses the current CUDA device.
   static Group create_nccl(int rank, int num_ranks, const std::vector<uint8_t>& unique_id);
   static std::vector<uint8_t> new_unique_id();
+  // One process per GPU as torchrun or mpirun start them: RANK/WORLD_SIZE/LOCAL_RANK (or OMPI_COMM_WORLD_*),
+  // device = LOCAL_RANK, rendezvous through NCCL_COMM_ID or MASTER_ADDR:MASTER_PORT+1. No id exchange needed.
+  static Group create_nccl_from_env();
   // All GPUs of this process, one rank each (one thread per GPU drives them).
   static std::vector<Group> create_nccl_local(int num_ranks);
 

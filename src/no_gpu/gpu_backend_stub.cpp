@@ -29,6 +29,9 @@ std::shared_ptr<GpuGroup> create_group(int, int, const std::vector<uint8_t>&) {
 std::vector<std::shared_ptr<GpuGroup>> create_local_groups(int) {
   no_cuda("Group::create_nccl_local");
 }
+std::shared_ptr<GpuGroup> create_group_from_env(int*, int*) {
+  no_cuda("Group::create_nccl_from_env");
+}
 GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup>, int, const Shape&, const Config&) {
   no_cuda("a GPU workspace");
 }

@@ -287,12 +287,117 @@ struct DeviceWeights {
 // How each rank drives its calls: eager twice (default), or through a captured CUDA graph.
 enum class Mode { kEagerTwice, kGraphVsEager };
 
-// Runs `calls` on R GPUs; results[call][rank].
+// One rank's share of `calls` on `device` through `group`; fills results[call][rank]. Throws on failure.
+void run_rank(const Model& m, const std::vector<std::vector<RankData>>& data, const std::vector<Call>& calls,
+              Mode mode, const pounce::Group& group, int rank, int device,
+              std::vector<std::vector<RankResult>>& results) {
+  const pounce::Shape& s = m.shape;
+  CUDA_OK(cudaSetDevice(device));
+  pounce::Config config;
+  config.activation = m.activation;
+  pounce::Workspace workspace(group, s, config);
+  pounce::gpu::GpuWorkspace& gpu_ws = *workspace.state().gpu;
+  DeviceWeights weights(m, rank, rank);
+  DeviceInputs in;
+  in.x = device_copy(std::vector<uint16_t>{}, s.max_tokens * s.hidden);
+  in.idx = device_copy(std::vector<int64_t>{}, s.max_tokens * s.num_topk);
+  in.weights = device_copy(std::vector<float>{}, s.max_tokens * s.num_topk);
+  in.out = device_copy(std::vector<uint16_t>{}, s.max_tokens * s.hidden);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraphExec_t graph_exec = nullptr;
+
+  for (size_t c = 0; c < calls.size(); ++c) {
+    const Call& call = calls[c];
+    const RankData& d = data[c][rank];
+    const int64_t T = call.num_tokens[rank];
+    RankResult& res = results[c][rank];
+    in.upload(s, d, call.idx_int64);
+    pounce::ForwardArgs args = in.args(s, T, call.idx_int64, rank);
+    args.routed = weights.routed;
+    args.shared = weights.shared;
+    for (int run = 0; run < 2; ++run) {
+      CUDA_OK(cudaMemsetAsync(in.out, 0xFF, std::max<int64_t>(T, 1) * s.hidden * 2, stream));
+      try {
+        if (mode == Mode::kGraphVsEager && run == 0) {
+          if (graph_exec == nullptr) {  // captured once, on the first call; replayed with new routing
+            pounce::forward(workspace, args, stream);  // warm-up: lazy module loading outside capture
+            CUDA_OK(cudaStreamSynchronize(stream));
+            CUDA_OK(cudaMemsetAsync(in.out, 0xFF, std::max<int64_t>(T, 1) * s.hidden * 2, stream));
+            cudaGraph_t graph;
+            CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+            pounce::forward(workspace, args, stream);
+            CUDA_OK(cudaStreamEndCapture(stream, &graph));
+            CUDA_OK(cudaGraphInstantiate(&graph_exec, graph, 0));
+            CUDA_OK(cudaGraphDestroy(graph));
+          }
+          CUDA_OK(cudaGraphLaunch(graph_exec, stream));
+        } else {
+          pounce::forward(workspace, args, stream);
+        }
+        CUDA_OK(cudaStreamSynchronize(stream));
+        pounce::gpu::check_device_errors(gpu_ws);
+      } catch (const std::exception& error) {
+        res.error = error.what();
+        CUDA_OK(cudaStreamSynchronize(stream));
+      }
+      res.out[run].resize(T * s.hidden);
+      if (T > 0) CUDA_OK(cudaMemcpy(res.out[run].data(), in.out, T * s.hidden * 2, cudaMemcpyDeviceToHost));
+    }
+    const pounce::gpu::ForwardContextView ctx = pounce::gpu::forward_context(gpu_ws);
+    if (res.error.empty()) {
+      // recompute_forward_context rebuilds the context bitwise (y slots poisoned first), leaves out
+      // alone.
+      std::vector<uint16_t> y_before(T * s.num_topk * s.hidden), y_after(y_before.size());
+      if (T > 0)
+        CUDA_OK(cudaMemcpy(y_before.data(), ctx.y_slots, y_before.size() * 2, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemset(const_cast<void*>(ctx.y_slots), 0xFF, y_before.size() * 2));
+      CUDA_OK(cudaMemsetAsync(in.out, 0xFF, std::max<int64_t>(T, 1) * s.hidden * 2, stream));
+      pounce::recompute_forward_context(workspace, args, stream);
+      CUDA_OK(cudaStreamSynchronize(stream));
+      pounce::gpu::check_device_errors(gpu_ws);
+      if (T > 0) CUDA_OK(cudaMemcpy(y_after.data(), ctx.y_slots, y_after.size() * 2, cudaMemcpyDeviceToHost));
+      std::vector<uint16_t> out_after(T * s.hidden);
+      if (T > 0) CUDA_OK(cudaMemcpy(out_after.data(), in.out, out_after.size() * 2, cudaMemcpyDeviceToHost));
+      const std::vector<int32_t> idx = d.topk_idx;
+      for (size_t i = 0; i < y_before.size(); ++i) {
+        if (idx[i / s.hidden] >= 0 && y_before[i] != y_after[i]) {
+          res.error = "recompute_forward_context: y slot element " + std::to_string(i) + " differs";
+          break;
+        }
+      }
+      for (uint16_t v : out_after) {
+        if (v != kPoison) {
+          res.error = "recompute_forward_context wrote out";
+          break;
+        }
+      }
+    }
+    const int64_t El = s.num_local_experts();
+    res.group_offset.resize(El + 1);
+    CUDA_OK(cudaMemcpy(res.group_offset.data(), ctx.group_row_offset, (El + 1) * 4, cudaMemcpyDeviceToHost));
+    const int64_t rows = std::min<int64_t>(res.group_offset[El], ctx.rows_capacity);
+    res.schedule.resize(rows * 4);
+    if (rows > 0) CUDA_OK(cudaMemcpy(res.schedule.data(), ctx.schedule, rows * 16, cudaMemcpyDeviceToHost));
+    res.y_slots.resize(T * s.num_topk * s.hidden);
+    if (T > 0) {
+      CUDA_OK(cudaMemcpy(res.y_slots.data(), ctx.y_slots, res.y_slots.size() * 2, cudaMemcpyDeviceToHost));
+    }
+  }
+  if (graph_exec != nullptr) CUDA_OK(cudaGraphExecDestroy(graph_exec));
+  CUDA_OK(cudaStreamDestroy(stream));
+  cudaFree(in.x);
+  cudaFree(in.idx);
+  cudaFree(in.weights);
+  cudaFree(in.out);
+  // The workspace is destroyed here, on every rank's thread concurrently (collective deregistration).
+}
+
+// Runs `calls` on R GPUs of this process, one thread each; results[call][rank].
 std::vector<std::vector<RankResult>> run_on_gpus(const Model& m,
                                                  const std::vector<std::vector<RankData>>& data,
                                                  const std::vector<Call>& calls, Mode mode) {
-  const pounce::Shape& s = m.shape;
-  const int R = static_cast<int>(s.num_ranks);
+  const int R = static_cast<int>(m.shape.num_ranks);
   std::vector<pounce::Group> groups = pounce::Group::create_nccl_local(R);
   std::vector<std::vector<RankResult>> results(calls.size(), std::vector<RankResult>(R));
   std::vector<std::string> thread_errors(R);
@@ -300,111 +405,7 @@ std::vector<std::vector<RankResult>> run_on_gpus(const Model& m,
   for (int rank = 0; rank < R; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        CUDA_OK(cudaSetDevice(rank));
-        pounce::Config config;
-        config.activation = m.activation;
-        pounce::Workspace workspace(groups[rank], s, config);
-        pounce::gpu::GpuWorkspace& gpu_ws = *workspace.state().gpu;
-        DeviceWeights weights(m, rank, rank);
-        DeviceInputs in;
-        in.x = device_copy(std::vector<uint16_t>{}, s.max_tokens * s.hidden);
-        in.idx = device_copy(std::vector<int64_t>{}, s.max_tokens * s.num_topk);
-        in.weights = device_copy(std::vector<float>{}, s.max_tokens * s.num_topk);
-        in.out = device_copy(std::vector<uint16_t>{}, s.max_tokens * s.hidden);
-        cudaStream_t stream;
-        CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-        cudaGraphExec_t graph_exec = nullptr;
-
-        for (size_t c = 0; c < calls.size(); ++c) {
-          const Call& call = calls[c];
-          const RankData& d = data[c][rank];
-          const int64_t T = call.num_tokens[rank];
-          RankResult& res = results[c][rank];
-          in.upload(s, d, call.idx_int64);
-          pounce::ForwardArgs args = in.args(s, T, call.idx_int64, rank);
-          args.routed = weights.routed;
-          args.shared = weights.shared;
-          for (int run = 0; run < 2; ++run) {
-            CUDA_OK(cudaMemsetAsync(in.out, 0xFF, std::max<int64_t>(T, 1) * s.hidden * 2, stream));
-            try {
-              if (mode == Mode::kGraphVsEager && run == 0) {
-                if (graph_exec == nullptr) {  // captured once, on the first call; replayed with new routing
-                  pounce::forward(workspace, args, stream);  // warm-up: lazy module loading outside capture
-                  CUDA_OK(cudaStreamSynchronize(stream));
-                  CUDA_OK(cudaMemsetAsync(in.out, 0xFF, std::max<int64_t>(T, 1) * s.hidden * 2, stream));
-                  cudaGraph_t graph;
-                  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-                  pounce::forward(workspace, args, stream);
-                  CUDA_OK(cudaStreamEndCapture(stream, &graph));
-                  CUDA_OK(cudaGraphInstantiate(&graph_exec, graph, 0));
-                  CUDA_OK(cudaGraphDestroy(graph));
-                }
-                CUDA_OK(cudaGraphLaunch(graph_exec, stream));
-              } else {
-                pounce::forward(workspace, args, stream);
-              }
-              CUDA_OK(cudaStreamSynchronize(stream));
-              pounce::gpu::check_device_errors(gpu_ws);
-            } catch (const std::exception& error) {
-              res.error = error.what();
-              CUDA_OK(cudaStreamSynchronize(stream));
-            }
-            res.out[run].resize(T * s.hidden);
-            if (T > 0)
-              CUDA_OK(cudaMemcpy(res.out[run].data(), in.out, T * s.hidden * 2, cudaMemcpyDeviceToHost));
-          }
-          const pounce::gpu::ForwardContextView ctx = pounce::gpu::forward_context(gpu_ws);
-          if (res.error.empty()) {
-            // recompute_forward_context rebuilds the context bitwise (y slots poisoned first), leaves out
-            // alone.
-            std::vector<uint16_t> y_before(T * s.num_topk * s.hidden), y_after(y_before.size());
-            if (T > 0)
-              CUDA_OK(cudaMemcpy(y_before.data(), ctx.y_slots, y_before.size() * 2, cudaMemcpyDeviceToHost));
-            CUDA_OK(cudaMemset(const_cast<void*>(ctx.y_slots), 0xFF, y_before.size() * 2));
-            CUDA_OK(cudaMemsetAsync(in.out, 0xFF, std::max<int64_t>(T, 1) * s.hidden * 2, stream));
-            pounce::recompute_forward_context(workspace, args, stream);
-            CUDA_OK(cudaStreamSynchronize(stream));
-            pounce::gpu::check_device_errors(gpu_ws);
-            if (T > 0)
-              CUDA_OK(cudaMemcpy(y_after.data(), ctx.y_slots, y_after.size() * 2, cudaMemcpyDeviceToHost));
-            std::vector<uint16_t> out_after(T * s.hidden);
-            if (T > 0)
-              CUDA_OK(cudaMemcpy(out_after.data(), in.out, out_after.size() * 2, cudaMemcpyDeviceToHost));
-            const std::vector<int32_t> idx = d.topk_idx;
-            for (size_t i = 0; i < y_before.size(); ++i) {
-              if (idx[i / s.hidden] >= 0 && y_before[i] != y_after[i]) {
-                res.error = "recompute_forward_context: y slot element " + std::to_string(i) + " differs";
-                break;
-              }
-            }
-            for (uint16_t v : out_after) {
-              if (v != kPoison) {
-                res.error = "recompute_forward_context wrote out";
-                break;
-              }
-            }
-          }
-          const int64_t El = s.num_local_experts();
-          res.group_offset.resize(El + 1);
-          CUDA_OK(cudaMemcpy(res.group_offset.data(), ctx.group_row_offset, (El + 1) * 4,
-                             cudaMemcpyDeviceToHost));
-          const int64_t rows = std::min<int64_t>(res.group_offset[El], ctx.rows_capacity);
-          res.schedule.resize(rows * 4);
-          if (rows > 0)
-            CUDA_OK(cudaMemcpy(res.schedule.data(), ctx.schedule, rows * 16, cudaMemcpyDeviceToHost));
-          res.y_slots.resize(T * s.num_topk * s.hidden);
-          if (T > 0) {
-            CUDA_OK(
-                cudaMemcpy(res.y_slots.data(), ctx.y_slots, res.y_slots.size() * 2, cudaMemcpyDeviceToHost));
-          }
-        }
-        if (graph_exec != nullptr) CUDA_OK(cudaGraphExecDestroy(graph_exec));
-        CUDA_OK(cudaStreamDestroy(stream));
-        cudaFree(in.x);
-        cudaFree(in.idx);
-        cudaFree(in.weights);
-        cudaFree(in.out);
-        // The workspace is destroyed here, on every rank's thread concurrently (collective deregistration).
+        run_rank(m, data, calls, mode, groups[rank], rank, rank, results);
       } catch (const std::exception& error) {
         thread_errors[rank] = error.what();
       }
@@ -449,12 +450,14 @@ std::string compare_close(const std::string& name, const std::vector<uint16_t>& 
   return "";
 }
 
+// `only_rank` >= 0: this process ran that rank alone (one process per GPU); the others are not checked.
 void check_call(const Model& m, const Call& call, const std::vector<RankData>& data,
-                const std::vector<RankResult>& results, const std::string& label) {
+                const std::vector<RankResult>& results, const std::string& label, int only_rank = -1) {
   const pounce::Shape& s = m.shape;
   const int64_t R = s.num_ranks, El = s.num_local_experts(), k = s.num_topk, H = s.hidden;
   const Expected expected = run_reference(m, data);
   for (int64_t r = 0; r < R; ++r) {
+    if (only_rank >= 0 && r != only_rank) continue;
     const RankResult& res = results[r];
     const std::string where = label + " rank " + std::to_string(r);
     ASSERT_EQ(res.error, "") << where;
@@ -693,3 +696,30 @@ TEST(StagedForward, BackwardIsNotImplementedYet) {
 }
 
 }  // namespace
+
+// One process per GPU, as torchrun starts them:
+//   torchrun --no-python --nproc-per-node=2 pounce_gpu_tests --gtest_filter='ProcessGroup.*'
+// Every process builds the same inputs from the seed, runs its own rank, and checks it against the reference.
+TEST(ProcessGroup, TorchrunEnvironment) {
+  if (std::getenv("WORLD_SIZE") == nullptr)
+    GTEST_SKIP() << "not started by torchrun/mpirun (no WORLD_SIZE); run: torchrun --no-python "
+                    "--nproc-per-node=2 pounce_gpu_tests --gtest_filter='ProcessGroup.*'";
+  SKIP_UNLESS_GPUS(1);
+  const pounce::Group group = pounce::Group::create_nccl_from_env();
+  const int R = group.num_ranks(), rank = group.rank();
+  const Model m = make_model(make_shape(512, 256, 128, 4 * R, 4, 128, R), pounce::Activation::swiglu(), 31);
+  std::vector<Call> calls = {{std::vector<int64_t>(R, 512), Routing::kRandom, false, 32},
+                             {std::vector<int64_t>(R, 77), Routing::kAllToOneExpert, true, 33}};
+  std::vector<std::vector<RankData>> data;
+  for (const Call& call : calls) {
+    std::vector<RankData> ranks;
+    for (int r = 0; r < R; ++r) ranks.push_back(make_rank_data(m.shape, call, r));
+    data.push_back(std::move(ranks));
+  }
+  std::vector<std::vector<RankResult>> results(calls.size(), std::vector<RankResult>(R));
+  int device = 0;
+  CUDA_OK(cudaGetDevice(&device));
+  run_rank(m, data, calls, Mode::kEagerTwice, group, rank, device, results);
+  for (size_t c = 0; c < calls.size(); ++c)
+    check_call(m, calls[c], data[c], results[c], "process group call " + std::to_string(c), rank);
+}
