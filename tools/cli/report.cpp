@@ -62,13 +62,18 @@ std::string utc_now_iso() {
 
 GpuFacts gpu_facts() {
   GpuFacts facts;
-  // The kernel module's version, as nvidia-smi reports it: "NVRM version: ... Kernel Module  570.86.15  ..."
+  // The kernel module's version, as nvidia-smi reports it: the first dotted number of
+  // "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build ..."
   std::ifstream version("/proc/driver/nvidia/version");
   std::string line;
   if (std::getline(version, line)) {
-    std::istringstream words(
-        line.substr(line.find("Module") == std::string::npos ? line.size() : line.find("Module") + 6));
-    words >> facts.driver;
+    std::istringstream words(line);
+    for (std::string word; words >> word;) {
+      if (word.find('.') != std::string::npos && word.find_first_not_of("0123456789.") == std::string::npos) {
+        facts.driver = word;
+        break;
+      }
+    }
   }
 #ifdef POUNCE_HAS_CUDA
   int count = 0;
