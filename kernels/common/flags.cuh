@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/ptx.cuh"
 #include "kernels/layout/workspace_layout.cuh"
 
 namespace pounce::flags {
@@ -37,11 +38,7 @@ __device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  return now;
-}
+using kernels::ptx::global_timer_ns;  // %globaltimer in ns: the clock of every bounded wait
 
 // True when `observed` has reached `expected` (modulo 2^32).
 __device__ __forceinline__ bool epoch_reached(uint32_t observed, uint32_t expected) {

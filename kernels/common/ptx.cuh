@@ -196,34 +196,6 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
 }
 
-// ---------------------------------------------------------------------------------------------------
-// Scoped loads/stores for handoffs (release on the writer, acquire on the reader).
-// ---------------------------------------------------------------------------------------------------
-__device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* ptr) {
-  int32_t v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
-  return v;
-}
-__device__ __forceinline__ int32_t ld_acquire_sys(const int32_t* ptr) {
-  int32_t v;
-  asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_gpu(int32_t* ptr, int32_t v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_release_sys(int32_t* ptr, int32_t v) {
-  asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
-}
-__device__ __forceinline__ int32_t atomic_add_release_gpu(int32_t* ptr, int32_t v) {
-  int32_t old;
-  asm volatile("atom.add.release.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
-  return old;
-}
-__device__ __forceinline__ int32_t atomic_add_release_sys(int32_t* ptr, int32_t v) {
-  int32_t old;
-  asm volatile("atom.add.release.sys.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
-  return old;
-}
+// Scoped loads/stores for cross-SM and cross-GPU handoffs live in kernels/common/flags.cuh.
 
 }  // namespace pounce::kernels::ptx
