@@ -21,7 +21,9 @@ inline uint16_t float_to_bf16_bits(float value) {
   return static_cast<uint16_t>(word >> 16);
 }
 
-inline float round_bf16(float value) { return bf16_bits_to_float(float_to_bf16_bits(value)); }
+inline float round_bf16(float value) {
+  return bf16_bits_to_float(float_to_bf16_bits(value));
+}
 
 // E4M3 (fn): bias 7, max 448, no infinities; saturating round-to-nearest-even.
 uint8_t float_to_e4m3(float value);

@@ -32,11 +32,11 @@ struct Problem {
 };
 
 struct RankInputs {
-  int64_t num_tokens = 0;             // T (may differ per rank)
-  std::vector<double> x;              // [T, H]
-  std::vector<int32_t> topk_idx;      // [T, k], -1 = unused slot
-  std::vector<double> topk_weights;   // [T, k]
-  std::vector<double> d_out;          // [T, H], backward only
+  int64_t num_tokens = 0;            // T (may differ per rank)
+  std::vector<double> x;             // [T, H]
+  std::vector<int32_t> topk_idx;     // [T, k], -1 = unused slot
+  std::vector<double> topk_weights;  // [T, k]
+  std::vector<double> d_out;         // [T, H], backward only
 };
 
 struct Weights {
@@ -55,10 +55,10 @@ struct ScheduleRow {
 };
 
 struct RankSchedule {
-  std::vector<int64_t> expert_num_rows;     // [El] true rows per local expert
-  std::vector<int64_t> expert_row_offset;   // [El + 1] padded offsets (multiples of block_m)
-  std::vector<int64_t> recv_from_rank;      // [R] pairs received from each source rank
-  std::vector<ScheduleRow> rows;            // [expert_row_offset[El]]
+  std::vector<int64_t> expert_num_rows;    // [El] true rows per local expert
+  std::vector<int64_t> expert_row_offset;  // [El + 1] padded offsets (multiples of block_m)
+  std::vector<int64_t> recv_from_rank;     // [R] pairs received from each source rank
+  std::vector<ScheduleRow> rows;           // [expert_row_offset[El]]
 };
 
 // Receive schedule of `rank` (DESIGN.md §2): grouped by local expert, each segment padded to block_m,

@@ -7,14 +7,18 @@
 namespace pounce {
 
 void validate(const Config& config, const Shape& shape) {
-  POUNCE_CHECK(config.forward_comm_sms >= 0 && config.forward_comm_sms < 1024, "config.forward_comm_sms = ",
-               config.forward_comm_sms, " must be 0 (heuristic) or a positive SM count");
-  POUNCE_CHECK(config.backward_comm_sms >= 0 && config.backward_comm_sms < 1024, "config.backward_comm_sms = ",
-               config.backward_comm_sms, " must be 0 (heuristic) or a positive SM count");
-  POUNCE_CHECK(config.minibatch_size >= 0 && config.minibatch_size % kBlockM == 0, "config.minibatch_size = ",
-               config.minibatch_size, " must be 0 (heuristic) or a positive multiple of ", kBlockM);
-  POUNCE_CHECK(config.macrobatch_size >= 0 && config.macrobatch_size % kBlockM == 0, "config.macrobatch_size = ",
-               config.macrobatch_size, " must be 0 (worst case) or a positive multiple of ", kBlockM);
+  POUNCE_CHECK(config.forward_comm_sms >= 0 && config.forward_comm_sms < 1024,
+               "config.forward_comm_sms = ", config.forward_comm_sms,
+               " must be 0 (heuristic) or a positive SM count");
+  POUNCE_CHECK(config.backward_comm_sms >= 0 && config.backward_comm_sms < 1024,
+               "config.backward_comm_sms = ", config.backward_comm_sms,
+               " must be 0 (heuristic) or a positive SM count");
+  POUNCE_CHECK(config.minibatch_size >= 0 && config.minibatch_size % kBlockM == 0,
+               "config.minibatch_size = ", config.minibatch_size,
+               " must be 0 (heuristic) or a positive multiple of ", kBlockM);
+  POUNCE_CHECK(config.macrobatch_size >= 0 && config.macrobatch_size % kBlockM == 0,
+               "config.macrobatch_size = ", config.macrobatch_size,
+               " must be 0 (worst case) or a positive multiple of ", kBlockM);
   POUNCE_CHECK(config.macrobatch_size == 0 || config.macrobatch_size >= shape.num_local_experts() * kBlockM,
                "config.macrobatch_size = ", config.macrobatch_size, " is below num_local_experts * ", kBlockM,
                " = ", shape.num_local_experts() * kBlockM, "; raise it or pass 0");
@@ -28,17 +32,24 @@ void validate(const Config& config, const Shape& shape) {
                " must be positive and finite (GPT-OSS uses 1.702)");
 }
 
-const char* to_string(Precision precision) { return precision == Precision::kBF16 ? "bf16" : "fp8"; }
+const char* to_string(Precision precision) {
+  return precision == Precision::kBF16 ? "bf16" : "fp8";
+}
 
 const char* to_string(Backend backend) {
   switch (backend) {
-    case Backend::kAuto: return "auto";
-    case Backend::kCpu: return "cpu";
-    case Backend::kGpu: return "gpu";
+    case Backend::kAuto:
+      return "auto";
+    case Backend::kCpu:
+      return "cpu";
+    case Backend::kGpu:
+      return "gpu";
   }
   return "?";
 }
 
-const char* to_string(ActivationKind kind) { return kind == ActivationKind::kSwiGLU ? "swiglu" : "gpt-oss"; }
+const char* to_string(ActivationKind kind) {
+  return kind == ActivationKind::kSwiGLU ? "swiglu" : "gpt-oss";
+}
 
 }  // namespace pounce

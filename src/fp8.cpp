@@ -11,15 +11,16 @@ namespace pounce {
 namespace {
 
 void check_fp8_tensor(const char* name, const Fp8Tensor& tensor, const std::vector<int64_t>& shape) {
-  const int64_t blocks_n = (shape[1] + kFp8Block - 1) / kFp8Block, blocks_k = (shape[2] + kFp8Block - 1) / kFp8Block;
+  const int64_t blocks_n = (shape[1] + kFp8Block - 1) / kFp8Block,
+                blocks_k = (shape[2] + kFp8Block - 1) / kFp8Block;
   POUNCE_CHECK(tensor.data.dtype == DType::kFP8E4M3 || tensor.data.dtype == DType::kUInt8, "argument '", name,
                ".data' is ", tensor.data.describe(), "; it must be fp8e4m3 (or uint8 holding e4m3 bits)");
   POUNCE_CHECK(tensor.data.shape == shape, "argument '", name, ".data' is ", tensor.data.describe(),
                "; expected [", shape[0], ", ", shape[1], ", ", shape[2], "]");
   const std::vector<int64_t> scale_shape = {shape[0], blocks_n, blocks_k};
-  POUNCE_CHECK(tensor.scale.dtype == DType::kFP32 && tensor.scale.shape == scale_shape,
-               "argument '", name, ".scale' is ", tensor.scale.describe(), "; expected fp32[", shape[0], ", ",
-               blocks_n, ", ", blocks_k, "]");
+  POUNCE_CHECK(tensor.scale.dtype == DType::kFP32 && tensor.scale.shape == scale_shape, "argument '", name,
+               ".scale' is ", tensor.scale.describe(), "; expected fp32[", shape[0], ", ", blocks_n, ", ",
+               blocks_k, "]");
 }
 
 // Quantizes [El, N, K] into `out` and its transpose into `out_t` ([El, K, N]); square blocks mean the
@@ -30,7 +31,8 @@ void quantize(const char* name, const TensorView& weights, const Fp8Tensor& out,
   const int64_t experts = weights.shape[0], n = weights.shape[1], k = weights.shape[2];
   check_fp8_tensor(name, out, {experts, n, k});
   check_fp8_tensor((std::string(name) + "_t").c_str(), out_t, {experts, k, n});
-  POUNCE_CHECK(weights.device == DeviceKind::kCpu, "quantize_weights_fp8 on GPU tensors arrives with the FP8 ",
+  POUNCE_CHECK(weights.device == DeviceKind::kCpu,
+               "quantize_weights_fp8 on GPU tensors arrives with the FP8 ",
                "kernels; pass CPU tensors for now");
   const int64_t blocks_n = out.scale.shape[1], blocks_k = out.scale.shape[2];
   std::vector<float> expert_weights(n * k);

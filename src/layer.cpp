@@ -36,7 +36,8 @@ void forward(Workspace& workspace, const ForwardArgs& args, void* stream) {
 void recompute_forward_context(Workspace& workspace, const ForwardArgs& args, void* stream) {
   WorkspaceState& state = workspace.state();
   if (workspace.group().backend() == Backend::kCpu) {
-    cpu::forward(state, args, validation_error([&] { validate_forward_args(workspace, args, false); }), false);
+    cpu::forward(state, args, validation_error([&] { validate_forward_args(workspace, args, false); }),
+                 false);
     return;
   }
   validate_forward_args(workspace, args, false);

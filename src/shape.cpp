@@ -9,18 +9,20 @@
 namespace pounce {
 
 void validate(const Shape& shape) {
-  POUNCE_CHECK(shape.max_tokens >= 0, "shape.max_tokens = ", shape.max_tokens, " is negative; pass the largest T per rank");
+  POUNCE_CHECK(shape.max_tokens >= 0, "shape.max_tokens = ", shape.max_tokens,
+               " is negative; pass the largest T per rank");
   POUNCE_CHECK(shape.hidden > 0 && shape.hidden % 64 == 0, "shape.hidden = ", shape.hidden,
                " must be a positive multiple of 64 (the GEMM K step and 16-byte row alignment)");
-  POUNCE_CHECK(shape.intermediate > 0 && shape.intermediate % 64 == 0, "shape.intermediate = ", shape.intermediate,
+  POUNCE_CHECK(shape.intermediate > 0 && shape.intermediate % 64 == 0,
+               "shape.intermediate = ", shape.intermediate,
                " must be a positive multiple of 64 (the GEMM K step of the down projection)");
   POUNCE_CHECK(shape.num_ranks >= 1, "shape.num_ranks = ", shape.num_ranks, " must be at least 1");
   POUNCE_CHECK(shape.num_experts >= 1, "shape.num_experts = ", shape.num_experts, " must be at least 1");
   POUNCE_CHECK(shape.num_experts % shape.num_ranks == 0, "shape.num_experts = ", shape.num_experts,
                " is not divisible by shape.num_ranks = ", shape.num_ranks,
                "; every rank holds num_experts / num_ranks experts");
-  POUNCE_CHECK(shape.num_topk >= 1 && shape.num_topk <= shape.num_experts, "shape.num_topk = ", shape.num_topk,
-               " must be in [1, num_experts = ", shape.num_experts, "]");
+  POUNCE_CHECK(shape.num_topk >= 1 && shape.num_topk <= shape.num_experts,
+               "shape.num_topk = ", shape.num_topk, " must be in [1, num_experts = ", shape.num_experts, "]");
   POUNCE_CHECK(shape.shared_intermediate >= 0 && shape.shared_intermediate % 64 == 0,
                "shape.shared_intermediate = ", shape.shared_intermediate,
                " must be 0 (no shared expert) or a positive multiple of 64");

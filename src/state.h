@@ -30,8 +30,8 @@ struct CpuGroup {
 struct GroupState {
   Backend backend = Backend::kCpu;
   int num_ranks = 1;
-  std::shared_ptr<CpuGroup> cpu;         // kCpu: shared by the R Group handles of the process
-  std::shared_ptr<gpu::GpuGroup> gpu;    // kGpu: this rank's communicator
+  std::shared_ptr<CpuGroup> cpu;       // kCpu: shared by the R Group handles of the process
+  std::shared_ptr<gpu::GpuGroup> gpu;  // kGpu: this rank's communicator
 };
 
 // What backward needs from forward on the CPU backend.

@@ -9,24 +9,36 @@ namespace pounce {
 
 const char* to_string(DType dtype) {
   switch (dtype) {
-    case DType::kBF16: return "bf16";
-    case DType::kFP32: return "fp32";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-    case DType::kFP8E4M3: return "fp8e4m3";
-    case DType::kUInt8: return "uint8";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kFP32:
+      return "fp32";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    case DType::kFP8E4M3:
+      return "fp8e4m3";
+    case DType::kUInt8:
+      return "uint8";
   }
   return "?";
 }
 
 int64_t size_of(DType dtype) {
   switch (dtype) {
-    case DType::kBF16: return 2;
-    case DType::kFP32: return 4;
-    case DType::kInt32: return 4;
-    case DType::kInt64: return 8;
-    case DType::kFP8E4M3: return 1;
-    case DType::kUInt8: return 1;
+    case DType::kBF16:
+      return 2;
+    case DType::kFP32:
+      return 4;
+    case DType::kInt32:
+      return 4;
+    case DType::kInt64:
+      return 8;
+    case DType::kFP8E4M3:
+      return 1;
+    case DType::kUInt8:
+      return 1;
   }
   return 0;
 }
@@ -66,15 +78,19 @@ TensorView TensorView::from_dlpack(const DLTensor& tensor, const char* name) {
     int64_t expected = 1;
     for (int dim = tensor.ndim - 1; dim >= 0; --dim) {
       POUNCE_CHECK(tensor.shape[dim] == 1 || tensor.strides[dim] == expected, "tensor '", name,
-                   "' is not contiguous (dim ", dim, " has stride ", tensor.strides[dim], ", expected ", expected,
-                   "); call .contiguous() first");
+                   "' is not contiguous (dim ", dim, " has stride ", tensor.strides[dim], ", expected ",
+                   expected, "); call .contiguous() first");
       expected *= tensor.shape[dim];
     }
   }
   view.data = static_cast<char*>(tensor.data) + tensor.byte_offset;
   switch (tensor.device.device_type) {
-    case kDLCPU: view.device = DeviceKind::kCpu; break;
-    case kDLCUDA: view.device = DeviceKind::kCuda; break;
+    case kDLCPU:
+      view.device = DeviceKind::kCpu;
+      break;
+    case kDLCUDA:
+      view.device = DeviceKind::kCuda;
+      break;
     default:
       detail::fail("tensor '", name, "' lives on DLPack device type ", int(tensor.device.device_type),
                    "; Pounce takes CPU or CUDA tensors");

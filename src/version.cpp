@@ -11,12 +11,15 @@ namespace pounce {
 
 const BuildInfo& build_info() {
   static const BuildInfo kInfo = {
-      POUNCE_VERSION, POUNCE_GIT_COMMIT,
+      POUNCE_VERSION,
+      POUNCE_GIT_COMMIT,
 #ifdef POUNCE_HAS_CUDA
-      true, POUNCE_CUDA_VERSION,
+      true,
+      POUNCE_CUDA_VERSION,
       POUNCE_STRINGIFY(NCCL_MAJOR) "." POUNCE_STRINGIFY(NCCL_MINOR) "." POUNCE_STRINGIFY(NCCL_PATCH),
 #else
-      false, "none", "none",
+      false,          "none",
+      "none",
 #endif
   };
   return kInfo;

@@ -17,7 +17,7 @@ struct Config {
   int64_t macrobatch_size = 0;  // rows in the routed activation ring; 0 = worst case (no looping)
   Activation activation;
   Precision precision = Precision::kBF16;
-  bool deterministic = true;            // false is rejected for now: every path is deterministic
+  bool deterministic = true;  // false is rejected for now: every path is deterministic
   Backend backend = Backend::kAuto;
 };
 

@@ -24,7 +24,7 @@ template <typename... Parts>
 }  // namespace pounce
 
 // POUNCE_CHECK(cond, "argument 'x' ...", value, "; fix: ...") throws pounce::Error with the joined parts.
-#define POUNCE_CHECK(cond, ...)                          \
-  do {                                                   \
-    if (!(cond)) ::pounce::detail::fail(__VA_ARGS__);    \
+#define POUNCE_CHECK(cond, ...)                       \
+  do {                                                \
+    if (!(cond)) ::pounce::detail::fail(__VA_ARGS__); \
   } while (0)

@@ -24,16 +24,16 @@ struct ForwardArgs {
   ExpertWeights routed;     // bf16
   ExpertWeights shared;     // bf16; left empty when shape.shared_intermediate == 0
   const Fp8Weights* routed_fp8 = nullptr;  // required when config.precision == kFP8
-  TensorView out;           // [T, H] bf16, written
+  TensorView out;                          // [T, H] bf16, written
 };
 
 struct BackwardArgs {
-  ForwardArgs inputs;            // the same inputs the forward of this workspace saw (out is not read)
-  TensorView d_out;              // [T, H] bf16
-  TensorView d_x;                // [T, H] bf16, written
-  TensorView d_topk_weights;     // [T, k] fp32, written: <d_out[t], y[t, j]>, no division by the weight
-  ExpertWeights d_routed;        // dtype bf16 or fp32; shapes as the weights
-  ExpertWeights d_shared;        // same; empty when there is no shared expert
+  ForwardArgs inputs;         // the same inputs the forward of this workspace saw (out is not read)
+  TensorView d_out;           // [T, H] bf16
+  TensorView d_x;             // [T, H] bf16, written
+  TensorView d_topk_weights;  // [T, k] fp32, written: <d_out[t], y[t, j]>, no division by the weight
+  ExpertWeights d_routed;     // dtype bf16 or fp32; shapes as the weights
+  ExpertWeights d_shared;     // same; empty when there is no shared expert
   bool accumulate_weight_grads = false;  // add into fp32 tensors (main_grad) instead of overwriting
 };
 

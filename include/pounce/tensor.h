@@ -40,7 +40,9 @@ struct TensorView {
   int64_t numel() const;
   int64_t bytes() const { return numel() * size_of(dtype); }
   template <typename T>
-  T* as() const { return static_cast<T*>(data); }
+  T* as() const {
+    return static_cast<T*>(data);
+  }
   std::string describe() const;  // "bf16[4096, 2048] on cuda:0"
 };
 
