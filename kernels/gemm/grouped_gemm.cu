@@ -122,6 +122,17 @@ void launch(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b0, const CUtenso
   POUNCE_GEMM_CUDA_CHECK(cudaGetLastError());
 }
 
+// The fields every launch shares: which rows, how many groups, the problem extents.
+gemm::GroupedGemmArgs base_args(const GroupedRows& rows, int64_t n, int64_t k) {
+  gemm::GroupedGemmArgs args{};
+  args.group_row_offset = rows.group_row_offset;
+  args.num_groups = rows.num_groups;
+  args.max_m_blocks = static_cast<int32_t>(rows.max_rows / GemmConfig::BLOCK_M);
+  args.n = static_cast<int32_t>(n);
+  args.k = static_cast<int32_t>(k);
+  return args;
+}
+
 }  // namespace
 
 void grouped_gemm(const GroupedRows& rows, const void* a, const void* b, void* c, int64_t n, int64_t k,
@@ -132,12 +143,7 @@ void grouped_gemm(const GroupedRows& rows, const void* a, const void* b, void* c
   if (rows.max_rows == 0) return;
   const CUtensorMap tmap_a = activation_map(rows, a, k);
   const CUtensorMap tmap_b = weight_map(b, rows.num_groups, n, k, GemmConfig::BLOCK_N);
-  gemm::GroupedGemmArgs args{};
-  args.group_row_offset = rows.group_row_offset;
-  args.num_groups = rows.num_groups;
-  args.max_m_blocks = static_cast<int32_t>(rows.max_rows / GemmConfig::BLOCK_M);
-  args.n = static_cast<int32_t>(n);
-  args.k = static_cast<int32_t>(k);
+  gemm::GroupedGemmArgs args = base_args(rows, n, k);
   args.out0 = static_cast<__nv_bfloat16*>(c);
   launch<Epilogue::kStore>(tmap_a, tmap_b, tmap_b, args, rows.max_rows, stream);
 }
@@ -159,12 +165,7 @@ void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate,
   const CUtensorMap tmap_a = activation_map(rows, a, k);
   const CUtensorMap tmap_gate = weight_map(w_gate, rows.num_groups, n, k, GemmConfig::BLOCK_N / 2);
   const CUtensorMap tmap_up = weight_map(w_up, rows.num_groups, n, k, GemmConfig::BLOCK_N / 2);
-  gemm::GroupedGemmArgs args{};
-  args.group_row_offset = rows.group_row_offset;
-  args.num_groups = rows.num_groups;
-  args.max_m_blocks = static_cast<int32_t>(rows.max_rows / GemmConfig::BLOCK_M);
-  args.n = static_cast<int32_t>(n);
-  args.k = static_cast<int32_t>(k);
+  gemm::GroupedGemmArgs args = base_args(rows, n, k);
   args.out0 = static_cast<__nv_bfloat16*>(g);
   args.out1 = static_cast<__nv_bfloat16*>(u);
   args.out2 = static_cast<__nv_bfloat16*>(act);

@@ -215,17 +215,16 @@ class CpuRankRunner final : public RankRunner {
 
 }  // namespace
 
-RunOutcome run_on_cpu(const RunRequest& request) {
-  const int R = static_cast<int>(request.problem->shape.num_ranks);
-  std::vector<Group> groups = Group::create_cpu(R);
-  std::vector<RankResult> results(R);
-  std::vector<std::exception_ptr> errors(R);
+RunOutcome run_ranks(int num_ranks, const RunRequest& request,
+                     const std::function<std::unique_ptr<RankRunner>(int rank)>& make_runner) {
+  std::vector<RankResult> results(num_ranks);
+  std::vector<std::exception_ptr> errors(num_ranks);
   std::vector<std::thread> threads;
-  for (int rank = 0; rank < R; ++rank) {
+  for (int rank = 0; rank < num_ranks; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        CpuRankRunner runner(groups[rank], request, rank);
-        results[rank] = drive_rank(runner, request, rank);
+        std::unique_ptr<RankRunner> runner = make_runner(rank);
+        results[rank] = drive_rank(*runner, request, rank);
       } catch (...) {
         errors[rank] = std::current_exception();
       }
@@ -234,7 +233,15 @@ RunOutcome run_on_cpu(const RunRequest& request) {
   for (std::thread& thread : threads) thread.join();
   for (const std::exception_ptr& error : errors)
     if (error) std::rethrow_exception(error);
-  RunOutcome outcome = combine(std::move(results));
+  return combine(std::move(results));
+}
+
+RunOutcome run_on_cpu(const RunRequest& request) {
+  const int R = static_cast<int>(request.problem->shape.num_ranks);
+  std::vector<Group> groups = Group::create_cpu(R);
+  RunOutcome outcome = run_ranks(R, request, [&](int rank) -> std::unique_ptr<RankRunner> {
+    return std::make_unique<CpuRankRunner>(groups[rank], request, rank);
+  });
   outcome.device = "CPU reference backend, " + std::to_string(R) + " simulated rank" + (R > 1 ? "s" : "") +
                    " (one thread each)";
   return outcome;

@@ -6,6 +6,7 @@
 // check plan's coordinates -> poison again before the last run and compare it bitwise with run 0.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -69,5 +70,10 @@ struct RankResult {
 RankResult drive_rank(RankRunner& runner, const RunRequest& request, int rank);
 // Per-iteration maximum over ranks; the first rank's backward error; ranks' samples concatenated.
 RunOutcome combine(std::vector<RankResult> results);
+
+// Runs `make_runner(rank)` + drive_rank on one thread per rank, rethrows the first rank's failure, and
+// combines the results.
+RunOutcome run_ranks(int num_ranks, const RunRequest& request,
+                     const std::function<std::unique_ptr<RankRunner>(int rank)>& make_runner);
 
 }  // namespace pounce::cli

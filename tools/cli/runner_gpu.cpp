@@ -239,24 +239,10 @@ class GpuRankRunner final : public RankRunner {
 RunOutcome run_on_gpu(const RunRequest& request) {
   const int R = static_cast<int>(request.problem->shape.num_ranks);
   std::vector<Group> groups = Group::create_nccl_local(R);
-  std::vector<RankResult> results(R);
-  std::vector<std::exception_ptr> errors(R);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < R; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        POUNCE_CUDA_TRY(cudaSetDevice(rank));
-        GpuRankRunner runner(groups[rank], request, rank);
-        results[rank] = drive_rank(runner, request, rank);
-      } catch (...) {
-        errors[rank] = std::current_exception();
-      }
-    });
-  }
-  for (std::thread& thread : threads) thread.join();
-  for (const std::exception_ptr& error : errors)
-    if (error) std::rethrow_exception(error);
-  RunOutcome outcome = combine(std::move(results));
+  RunOutcome outcome = run_ranks(R, request, [&](int rank) -> std::unique_ptr<RankRunner> {
+    POUNCE_CUDA_TRY(cudaSetDevice(rank));
+    return std::make_unique<GpuRankRunner>(groups[rank], request, rank);
+  });
   cudaDeviceProp properties{};
   POUNCE_CUDA_TRY(cudaGetDeviceProperties(&properties, 0));
   outcome.device = std::to_string(R) + " x " + properties.name;
