@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace pounce::reference {
 
@@ -23,6 +24,16 @@ inline uint16_t float_to_bf16_bits(float value) {
 
 inline float round_bf16(float value) {
   return bf16_bits_to_float(float_to_bf16_bits(value));
+}
+
+// `count` bf16 values as doubles (exact): how bf16 tensors enter the reference.
+inline std::vector<double> bf16_to_double(const uint16_t* bits, size_t count) {
+  std::vector<double> out(count);
+  for (size_t i = 0; i < count; ++i) out[i] = bf16_bits_to_float(bits[i]);
+  return out;
+}
+inline std::vector<double> bf16_to_double(const std::vector<uint16_t>& bits) {
+  return bf16_to_double(bits.data(), bits.size());
 }
 
 // E4M3 (fn): bias 7, max 448, no infinities; saturating round-to-nearest-even.

@@ -15,19 +15,12 @@
 namespace pounce::cpu {
 namespace {
 
-using reference::bf16_bits_to_float;
 using reference::float_to_bf16_bits;
 
 std::vector<double> to_double(const TensorView& view) {
-  std::vector<double> out(view.numel());
-  if (view.dtype == DType::kBF16) {
-    const uint16_t* bits = view.as<uint16_t>();
-    for (size_t i = 0; i < out.size(); ++i) out[i] = bf16_bits_to_float(bits[i]);
-  } else {
-    const float* values = view.as<float>();
-    for (size_t i = 0; i < out.size(); ++i) out[i] = values[i];
-  }
-  return out;
+  if (view.dtype == DType::kBF16) return reference::bf16_to_double(view.as<uint16_t>(), view.numel());
+  const float* values = view.as<float>();
+  return std::vector<double>(values, values + view.numel());
 }
 
 std::vector<int32_t> to_int32(const TensorView& view) {

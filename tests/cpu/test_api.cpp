@@ -17,7 +17,7 @@
 namespace pounce {
 namespace {
 
-using reference::bf16_bits_to_float;
+using reference::bf16_to_double;
 using reference::float_to_bf16_bits;
 
 constexpr uint16_t kPoisonBf16 = 0xFFFF;  // a NaN: any element left unwritten shows
@@ -130,12 +130,6 @@ std::vector<std::string> on_every_rank(int num_ranks, const std::function<void(i
     });
   for (auto& thread : threads) thread.join();
   return errors;
-}
-
-std::vector<double> bf16_to_double(const std::vector<uint16_t>& bits) {
-  std::vector<double> out(bits.size());
-  for (size_t i = 0; i < bits.size(); ++i) out[i] = bf16_bits_to_float(bits[i]);
-  return out;
 }
 
 TEST(Api, ForwardBackwardOverTwoRanksEqualsReference) {

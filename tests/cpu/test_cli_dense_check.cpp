@@ -13,11 +13,7 @@
 namespace pounce::cli {
 namespace {
 
-std::vector<double> bf16_to_double(const std::vector<uint16_t>& bits) {
-  std::vector<double> out(bits.size());
-  for (size_t i = 0; i < bits.size(); ++i) out[i] = reference::bf16_bits_to_float(bits[i]);
-  return out;
-}
+using reference::bf16_to_double;
 
 reference::Weights to_reference(const HostWeights& w) {
   return {bf16_to_double(w.gate), bf16_to_double(w.up), bf16_to_double(w.down)};

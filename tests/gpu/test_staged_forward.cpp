@@ -162,12 +162,6 @@ struct Expected {
   std::vector<pounce::reference::RankSchedule> schedules;  // [R]
 };
 
-std::vector<double> to_double(const std::vector<uint16_t>& bits) {
-  std::vector<double> out(bits.size());
-  for (size_t i = 0; i < bits.size(); ++i) out[i] = bf16_bits_to_float(bits[i]);
-  return out;
-}
-
 Expected run_reference(const Model& m, const std::vector<RankData>& data) {
   const pounce::Shape& s = m.shape;
   const int64_t R = s.num_ranks, El = s.num_local_experts(), I = s.intermediate, H = s.hidden;
@@ -185,19 +179,21 @@ Expected run_reference(const Model& m, const std::vector<RankData>& data) {
   std::vector<pounce::reference::Weights> routed(R);
   for (int64_t r = 0; r < R; ++r) {
     ranks[r].num_tokens = static_cast<int64_t>(data[r].x.size()) / H;
-    ranks[r].x = to_double(data[r].x);
+    ranks[r].x = pounce::reference::bf16_to_double(data[r].x);
     ranks[r].topk_idx = data[r].topk_idx;
     ranks[r].topk_weights.assign(data[r].topk_weights.begin(), data[r].topk_weights.end());
     auto slice = [&](const std::vector<uint16_t>& w) {
       const int64_t per_expert = I * H;
-      return to_double(
+      return pounce::reference::bf16_to_double(
           std::vector<uint16_t>(w.begin() + r * El * per_expert, w.begin() + (r + 1) * El * per_expert));
     };
     routed[r] = {slice(m.gate), slice(m.up), slice(m.down)};
   }
   pounce::reference::Weights shared;
   if (s.shared_intermediate > 0)
-    shared = {to_double(m.shared_gate), to_double(m.shared_up), to_double(m.shared_down)};
+    shared = {pounce::reference::bf16_to_double(m.shared_gate),
+              pounce::reference::bf16_to_double(m.shared_up),
+              pounce::reference::bf16_to_double(m.shared_down)};
   Expected e;
   e.forward = pounce::reference::forward(p, ranks, routed, shared);
   p.numerics = pounce::reference::Numerics::kFp64;
