@@ -19,34 +19,39 @@
 
 namespace pounce::combine {
 
-__device__ __forceinline__ void push_rows(const layout::WorkspacePointers& ws) {
+// `rows` [rows_capacity][H] expert-grouped; `sym_slots` the offset of a [max_tokens][k][H] slot region
+// (forward: y_rows into sym_y_slots; backward's reverse-dispatch: dx_rows into sym_dx_slots).
+__device__ __forceinline__ void push_rows(const layout::WorkspacePointers& ws, const void* rows,
+                                          int64_t sym_slots) {
   const int64_t num_rows = ws.group_row_offset[ws.num_local_experts];
   const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
-  const int4* y_rows = static_cast<const int4*>(ws.y_rows);
+  const int4* y_rows = static_cast<const int4*>(rows);
   for (int64_t row = dispatch::global_warp(); row < num_rows; row += dispatch::num_global_warps()) {
     const layout::ScheduleEntry entry = ws.schedule[row];
     if (entry.src_rank < 0) continue;
-    int4* dst = ws.peer<int4>(entry.src_rank, ws.sym_y_slots) +
+    int4* dst = ws.peer<int4>(entry.src_rank, sym_slots) +
                 (static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot) * row_vectors;
     dispatch::warp_copy_16b(dst, y_rows + row * row_vectors, row_vectors);
   }
 }
 
-// One thread per (token, 8 consecutive hidden columns).
-__device__ __forceinline__ void weighted_sum(const layout::WorkspacePointers& ws, const float* topk_weights,
-                                             void* out, int64_t num_tokens, bool has_shared) {
+// One thread per (token, 8 consecutive hidden columns). `base` [T][H] starts the accumulator (the shared
+// expert's output or d_x; null = 0); `topk_weights` null means weight 1 (backward's d_x sum: 1 * v == v).
+__device__ __forceinline__ void weighted_sum(const layout::WorkspacePointers& ws, int64_t sym_slots,
+                                             const float* topk_weights, const void* base, void* out,
+                                             int64_t num_tokens) {
   const int64_t H = ws.hidden, k = ws.num_topk;
   const int64_t vectors_per_row = H / 8;
   const int64_t total = num_tokens * vectors_per_row;
   const int32_t* topk_idx = ws.local_sym<const int32_t>(ws.sym_routing_idx) + ws.rank * ws.routing_stride;
-  const int4* y_slots = ws.local_sym<const int4>(ws.sym_y_slots);
-  const int4* shared_y = static_cast<const int4*>(ws.shared_y);
+  const int4* y_slots = ws.local_sym<const int4>(sym_slots);
+  const int4* shared_y = static_cast<const int4*>(base);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < total;
        item += stride) {
     const int64_t t = item / vectors_per_row, v = item % vectors_per_row;
     float acc[8];
-    if (has_shared) {
+    if (shared_y != nullptr) {
       const int4 packed = shared_y[t * vectors_per_row + v];
       const __nv_bfloat16* ys = reinterpret_cast<const __nv_bfloat16*>(&packed);
 #pragma unroll
@@ -58,7 +63,7 @@ __device__ __forceinline__ void weighted_sum(const layout::WorkspacePointers& ws
     for (int64_t j = 0; j < k; ++j) {
       const int32_t expert = topk_idx[t * k + j];
       if (expert < 0 || expert >= ws.num_experts) continue;
-      const float w = topk_weights[t * k + j];
+      const float w = topk_weights != nullptr ? topk_weights[t * k + j] : 1.0f;
       const int4 packed = y_slots[(t * k + j) * vectors_per_row + v];
       const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&packed);
 #pragma unroll
@@ -73,14 +78,15 @@ __device__ __forceinline__ void weighted_sum(const layout::WorkspacePointers& ws
 }
 
 template <int kNumThreads>
-__global__ void __launch_bounds__(kNumThreads) combine_push_kernel(layout::WorkspacePointers ws) {
-  push_rows(ws);
+__global__ void __launch_bounds__(kNumThreads)
+    combine_push_kernel(layout::WorkspacePointers ws, const void* rows, int64_t sym_slots) {
+  push_rows(ws, rows, sym_slots);
 }
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads)
-    weighted_sum_kernel(layout::WorkspacePointers ws, const float* topk_weights, void* out,
-                        int64_t num_tokens, bool has_shared) {
-  weighted_sum(ws, topk_weights, out, num_tokens, has_shared);
+    weighted_sum_kernel(layout::WorkspacePointers ws, int64_t sym_slots, const float* topk_weights,
+                        const void* base, void* out, int64_t num_tokens) {
+  weighted_sum(ws, sym_slots, topk_weights, base, out, num_tokens);
 }
 
 }  // namespace pounce::combine

@@ -134,9 +134,26 @@ __device__ __forceinline__ uint64_t make_smem_desc_k_major_sw128(uint32_t smem_b
   return desc;
 }
 
-// D[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T, bf16 inputs from shared memory (both K-major), fp32 D in
+// Descriptor for an MN-major bf16 tile (the transposed operand: M or N contiguous) written by TMA in boxes of
+// 64 MN elements (one 128-byte swizzled row) x K rows. Along K, 8-row core groups are 1024 bytes apart
+// (stride byte offset); along MN, the next 64-element box starts `mn_box_bytes` later (leading byte
+// offset). Stepping K by 16 elements adds 16 rows = 2048 bytes to the start address.
+__device__ __forceinline__ uint64_t make_smem_desc_mn_major_sw128(uint32_t smem_byte_addr,
+                                                                  uint32_t mn_box_bytes) {
+  constexpr uint64_t kStrideBytes = 1024;
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((smem_byte_addr & 0x3FFFF) >> 4);      // bits 0-13: start address >> 4
+  desc |= static_cast<uint64_t>((mn_box_bytes & 0x3FFFF) >> 4) << 16;  // bits 16-29: MN box stride >> 4
+  desc |= (kStrideBytes >> 4) << 32;                                   // bits 32-45: K group stride >> 4
+  desc |= static_cast<uint64_t>(1) << 62;                              // bits 62-63: 128-byte swizzle
+  return desc;
+}
+
+// D[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T, bf16 inputs from shared memory, fp32 D in
 // registers laid out as the wgmma m64nNk16 fragment: d[4*j + 2*h + c] holds row (warp%4)*16 + lane/4 + 8*h,
-// column 8*j + 2*(lane%4) + c. `accumulate` false overwrites D (first K step of a tile).
+// column 8*j + 2*(lane%4) + c. `accumulate` false overwrites D (first K step of a tile). kMnMajorA/B select
+// the transposed (M- or N-contiguous) shared-memory layout of an operand.
+template <bool kMnMajorA = false, bool kMnMajorB = false>
 __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
                                                       bool accumulate) {
   asm volatile(
@@ -152,7 +169,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-      "%128, %129, p, 1, 1, 0, 0;\n"
+      "%128, %129, p, 1, 1, %131, %132;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -172,7 +189,8 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
         "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]),
         "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]),
         "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)));
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)), "n"(kMnMajorA ? 1 : 0),
+        "n"(kMnMajorB ? 1 : 0));
 }
 
 // Two fp32 -> one register of two bf16 (round to nearest even); `lo` lands in the low 16 bits.

@@ -1,6 +1,6 @@
-// Gated activations of the expert MLP, in fp32 from the bf16-rounded gate g and up u (reference:
-// reference/activation.cpp activation_t<float>). One definition for the staged GEMM epilogue and the fused
-// kernel, so both round identically.
+// Gated activations of the expert MLP and their derivatives, in fp32 from the bf16-rounded gate g and up u
+// (reference: reference/activation.cpp activation_t<float>, activation_backward_t<float>). One definition for
+// the staged GEMM epilogue and the fused kernel, so both round identically.
 #pragma once
 
 #include "kernels/gemm/grouped_gemm.h"
@@ -15,6 +15,22 @@ __host__ __device__ inline float apply_activation(float g, float u, const Activa
   const float gated =
       g * (1.0f / (1.0f + expf(-(alpha * g))));  // same association as reference/activation.cpp
   return p.kind == kActivationGptOss ? (u + 1.0f) * gated : gated * u;
+}
+
+// d_g = d_a * u'' * d(g' sigmoid(alpha g'))/dg, d_u = d_a * g' sigmoid(alpha g'), where u'' = u' (SwiGLU) or
+// u' + 1 (GPT-OSS). An active clamp passes no gradient (g > L, |u| > L); at the kink itself it passes it.
+__host__ __device__ inline void apply_activation_backward(float g, float u, float d_a,
+                                                          const ActivationParams& p, float& d_g, float& d_u) {
+  const bool g_passes = !(g > p.clamp_limit), u_passes = !(fabsf(u) > p.clamp_limit);
+  g = fminf(g, p.clamp_limit);
+  u = fmaxf(fminf(u, p.clamp_limit), -p.clamp_limit);
+  const float alpha = p.kind == kActivationGptOss ? p.alpha : 1.0f;
+  const float s = 1.0f / (1.0f + expf(-(alpha * g)));
+  const float gated = g * s;
+  const float d_gated = s + alpha * g * s * (1.0f - s);
+  const float u_factor = p.kind == kActivationGptOss ? u + 1.0f : u;
+  d_g = g_passes ? d_a * u_factor * d_gated : 0.0f;
+  d_u = u_passes ? d_a * gated : 0.0f;
 }
 
 }  // namespace pounce::kernels::gemm

@@ -11,8 +11,8 @@
 namespace pounce::kernels {
 namespace {
 
-using gemm::Epilogue;
 using gemm::GemmConfig;
+using gemm::KernelKind;
 
 __device__ int32_t g_grouped_gemm_error = 0;
 
@@ -23,6 +23,13 @@ constexpr int kMaxDevices = 64;
     const cudaError_t err_ = (expr);                                                                    \
     POUNCE_CHECK(err_ == cudaSuccess, #expr, " failed: ", cudaGetErrorString(err_), " (grouped GEMM)"); \
   } while (0)
+
+template <KernelKind kKind>
+void set_shared_limit() {
+  POUNCE_GEMM_CUDA_CHECK(cudaFuncSetAttribute(gemm::grouped_gemm_kernel<kKind>,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(gemm::kSharedBytes)));
+}
 
 struct DeviceInfo {
   int num_sms = 0;
@@ -48,12 +55,11 @@ const DeviceInfo& device_info() {
     void* flag = nullptr;
     POUNCE_GEMM_CUDA_CHECK(cudaGetSymbolAddress(&flag, g_grouped_gemm_error));
     info.error_flag = static_cast<int32_t*>(flag);
-    POUNCE_GEMM_CUDA_CHECK(cudaFuncSetAttribute(gemm::grouped_gemm_kernel<Epilogue::kStore>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(gemm::kSharedBytes)));
-    POUNCE_GEMM_CUDA_CHECK(cudaFuncSetAttribute(gemm::grouped_gemm_kernel<Epilogue::kGateUpActivation>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(gemm::kSharedBytes)));
+    set_shared_limit<KernelKind::kForwardStore>();
+    set_shared_limit<KernelKind::kForwardGateUp>();
+    set_shared_limit<KernelKind::kDataGrad>();
+    set_shared_limit<KernelKind::kDataGradActivation>();
+    set_shared_limit<KernelKind::kWeightGrad>();
     infos[device] = info;
     ready[device].store(true, std::memory_order_release);
   }
@@ -109,17 +115,49 @@ CUtensorMap weight_map(const void* w, int num_groups, int64_t n, int64_t k, uint
   return make_bf16_tensor_map_sw128(spec);
 }
 
-template <Epilogue kEpilogue>
+// Weights [num_groups, rows, cols] read transposed: boxes of 64 contiguous columns x BLOCK_K rows.
+CUtensorMap transposed_weight_map(const void* w, int num_groups, int64_t rows, int64_t cols) {
+  Bf16TensorMapSpec spec;
+  spec.base = w;
+  spec.rank = 3;
+  spec.dims[0] = static_cast<uint64_t>(cols);
+  spec.dims[1] = static_cast<uint64_t>(rows);
+  spec.dims[2] = static_cast<uint64_t>(num_groups);
+  spec.strides_bytes[0] = static_cast<uint64_t>(cols) * 2;
+  spec.strides_bytes[1] = static_cast<uint64_t>(rows) * static_cast<uint64_t>(cols) * 2;
+  spec.box[0] = GemmConfig::kBoxMN;
+  spec.box[1] = GemmConfig::BLOCK_K;
+  spec.box[2] = 1;
+  return make_bf16_tensor_map_sw128(spec);
+}
+
+// Activation rows [max_rows, ld] read MN-major: columns [0, cols) in boxes of 64 x BLOCK_K rows.
+CUtensorMap transposed_activation_map(const GroupedRows& rows, const void* a, int64_t ld, int64_t cols) {
+  Bf16TensorMapSpec spec;
+  spec.base = a;
+  spec.rank = 2;
+  spec.dims[0] = static_cast<uint64_t>(cols);
+  spec.dims[1] = static_cast<uint64_t>(rows.max_rows);
+  spec.strides_bytes[0] = static_cast<uint64_t>(ld) * 2;
+  spec.box[0] = GemmConfig::kBoxMN;
+  spec.box[1] = GemmConfig::BLOCK_K;
+  return make_bf16_tensor_map_sw128(spec);
+}
+
+template <KernelKind kKind>
 void launch(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b0, const CUtensorMap& tmap_b1,
-            gemm::GroupedGemmArgs args, int64_t max_rows, cudaStream_t stream) {
+            gemm::GroupedGemmArgs args, int64_t max_tiles, cudaStream_t stream) {
   const DeviceInfo& info = device_info();
   args.error_flag = info.error_flag;
-  const int64_t num_n_blocks = (args.n + gemm::kOutBlockN<kEpilogue> - 1) / gemm::kOutBlockN<kEpilogue>;
-  const int64_t max_tiles = max_rows / GemmConfig::BLOCK_M * num_n_blocks;
   const int grid = static_cast<int>(std::min<int64_t>(info.num_sms, max_tiles));
-  gemm::grouped_gemm_kernel<kEpilogue>
+  gemm::grouped_gemm_kernel<kKind>
       <<<grid, GemmConfig::kNumThreads, gemm::kSharedBytes, stream>>>(tmap_a, tmap_b0, tmap_b1, args);
   POUNCE_GEMM_CUDA_CHECK(cudaGetLastError());
+}
+
+// Upper bound of the tiles of a row-grouped GEMM: every row block of the capacity times the column blocks.
+int64_t row_tiles(const GroupedRows& rows, int64_t n, int out_block_n) {
+  return rows.max_rows / GemmConfig::BLOCK_M * ((n + out_block_n - 1) / out_block_n);
 }
 
 // The fields every launch shares: which rows, how many groups, the problem extents.
@@ -130,6 +168,8 @@ gemm::GroupedGemmArgs base_args(const GroupedRows& rows, int64_t n, int64_t k) {
   args.max_m_blocks = static_cast<int32_t>(rows.max_rows / GemmConfig::BLOCK_M);
   args.n = static_cast<int32_t>(n);
   args.k = static_cast<int32_t>(k);
+  args.k_split = static_cast<int32_t>(k);
+  args.out_ld = n;
   return args;
 }
 
@@ -145,7 +185,8 @@ void grouped_gemm(const GroupedRows& rows, const void* a, const void* b, void* c
   const CUtensorMap tmap_b = weight_map(b, rows.num_groups, n, k, GemmConfig::BLOCK_N);
   gemm::GroupedGemmArgs args = base_args(rows, n, k);
   args.out0 = static_cast<__nv_bfloat16*>(c);
-  launch<Epilogue::kStore>(tmap_a, tmap_b, tmap_b, args, rows.max_rows, stream);
+  launch<KernelKind::kForwardStore>(tmap_a, tmap_b, tmap_b, args, row_tiles(rows, n, GemmConfig::BLOCK_N),
+                                    stream);
 }
 
 void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate, const void* w_up, void* g,
@@ -170,7 +211,82 @@ void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate,
   args.out1 = static_cast<__nv_bfloat16*>(u);
   args.out2 = static_cast<__nv_bfloat16*>(act);
   args.activation = activation;
-  launch<Epilogue::kGateUpActivation>(tmap_a, tmap_gate, tmap_up, args, rows.max_rows, stream);
+  launch<KernelKind::kForwardGateUp>(tmap_a, tmap_gate, tmap_up, args,
+                                     row_tiles(rows, n, GemmConfig::BLOCK_N / 2), stream);
+}
+
+void grouped_activation_backward(const GroupedRows& rows, const void* a, const void* w, const void* g,
+                                 const void* u, void* d_g, void* d_u, int64_t d_ld, int64_t n, int64_t k,
+                                 const ActivationParams& activation, cudaStream_t stream) {
+  check_common(rows, a, n, k);
+  check_output(w, "w");
+  check_output(g, "g");
+  check_output(u, "u");
+  check_output(d_g, "d_g");
+  check_output(d_u, "d_u");
+  POUNCE_CHECK(d_ld >= n && d_ld % 8 == 0, "d_ld = ", d_ld, " must be >= n = ", n, " and a multiple of 8");
+  if (rows.max_rows == 0) return;
+  const CUtensorMap tmap_a = activation_map(rows, a, k);
+  const CUtensorMap tmap_w = transposed_weight_map(w, rows.num_groups, k, n);
+  gemm::GroupedGemmArgs args = base_args(rows, n, k);
+  args.out0 = static_cast<__nv_bfloat16*>(d_g);
+  args.out1 = static_cast<__nv_bfloat16*>(d_u);
+  args.out_ld = d_ld;
+  args.in0 = static_cast<const __nv_bfloat16*>(g);
+  args.in1 = static_cast<const __nv_bfloat16*>(u);
+  args.activation = activation;
+  launch<KernelKind::kDataGradActivation>(tmap_a, tmap_w, tmap_w, args,
+                                          row_tiles(rows, n, GemmConfig::BLOCK_N), stream);
+}
+
+void grouped_gemm_transposed(const GroupedRows& rows, const void* a, const void* b0, const void* b1,
+                             int64_t k_split, void* c, int64_t n, int64_t k, cudaStream_t stream) {
+  check_common(rows, a, n, k);
+  check_output(b0, "b0");
+  check_output(c, "c");
+  POUNCE_CHECK(k_split > 0 && k_split <= k && k_split % GemmConfig::BLOCK_K == 0, "k_split = ", k_split,
+               " must be a positive multiple of ", GemmConfig::BLOCK_K, " and <= k = ", k);
+  POUNCE_CHECK(k_split == k || b1 != nullptr, "b1 is null but k_split = ", k_split, " < k = ", k);
+  if (rows.max_rows == 0) return;
+  const CUtensorMap tmap_a = activation_map(rows, a, k);
+  const CUtensorMap tmap_b0 = transposed_weight_map(b0, rows.num_groups, k_split, n);
+  const CUtensorMap tmap_b1 =
+      k_split == k ? tmap_b0 : transposed_weight_map(b1, rows.num_groups, k - k_split, n);
+  gemm::GroupedGemmArgs args = base_args(rows, n, k);
+  args.k_split = static_cast<int32_t>(k_split);
+  args.out0 = static_cast<__nv_bfloat16*>(c);
+  launch<KernelKind::kDataGrad>(tmap_a, tmap_b0, tmap_b1, args, row_tiles(rows, n, GemmConfig::BLOCK_N),
+                                stream);
+}
+
+void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, int64_t m, const void* b,
+                         int64_t b_ld, int64_t n, void* d, WeightGradMode mode, cudaStream_t stream) {
+  check_common(rows, a, n, /*k=*/64);
+  POUNCE_CHECK(m >= 64 && m % 64 == 0 && m < (int64_t{1} << 24), "m = ", m,
+               " must be a positive multiple of 64; fix: pad the weight rows");
+  POUNCE_CHECK(a_ld >= m && a_ld % 8 == 0 && b_ld >= n && b_ld % 8 == 0, "row strides a_ld = ", a_ld,
+               ", b_ld = ", b_ld, " must cover m = ", m, ", n = ", n, " and be multiples of 8");
+  check_output(b, "b");
+  check_output(d, "d");
+  POUNCE_CHECK(mode == WeightGradMode::kStoreF32 || mode == WeightGradMode::kAccumulateF32 ||
+                   mode == WeightGradMode::kStoreBf16,
+               "WeightGradMode ", static_cast<int>(mode), " unknown");
+  // Capacity zero still owes zero gradients to every group: write them without a GEMM.
+  if (rows.max_rows == 0) {
+    const size_t element = mode == WeightGradMode::kStoreBf16 ? 2 : 4;
+    if (mode != WeightGradMode::kAccumulateF32)
+      POUNCE_GEMM_CUDA_CHECK(cudaMemsetAsync(d, 0, element * rows.num_groups * m * n, stream));
+    return;
+  }
+  const CUtensorMap tmap_a = transposed_activation_map(rows, a, a_ld, m);
+  const CUtensorMap tmap_b = transposed_activation_map(rows, b, b_ld, n);
+  gemm::GroupedGemmArgs args = base_args(rows, n, /*k=*/0);
+  args.m = static_cast<int32_t>(m);
+  args.weight_grad = d;
+  args.weight_grad_mode = mode;
+  const int64_t tiles = rows.num_groups * ((m + GemmConfig::BLOCK_M - 1) / GemmConfig::BLOCK_M) *
+                        ((n + GemmConfig::BLOCK_N - 1) / GemmConfig::BLOCK_N);
+  launch<KernelKind::kWeightGrad>(tmap_a, tmap_b, tmap_b, args, tiles, stream);
 }
 
 int32_t grouped_gemm_error_code(bool reset) {

@@ -1,8 +1,13 @@
 // Grouped (per-expert) bf16 GEMMs on expert-grouped rows: the host entry points of kernels/gemm.
 //
-//   grouped_gemm:    C[rows, n] = A[rows, k] . B[group(row)][n, k]^T
-//   grouped_gate_up: g = bf16(A . Wg^T), u = bf16(A . Wu^T), act = bf16(act_fp32(g, u))
-// bf16 in, fp32 accumulate, bf16 out; weights in nn.Linear layout [num_groups, n, k] row-major.
+//   forward
+//     grouped_gemm:    C[rows, n] = A[rows, k] . B[group(row)][n, k]^T
+//     grouped_gate_up: g = bf16(A . Wg^T), u = bf16(A . Wu^T), act = bf16(act_fp32(g, u))
+//   backward (weights read transposed, no copy)
+//     grouped_activation_backward: d_a = bf16(A . W[group(row)]), d_g, d_u = bf16(act'(g, u) d_a)
+//     grouped_gemm_transposed:     C[rows, n] = A[rows, k] . [B0; B1][group(row)]
+//     grouped_weight_grad:         D[group][m, n] = sum over the group's rows r of A[r, :m]^T B[r, :n]
+// bf16 in, fp32 accumulate; weights in nn.Linear layout [num_groups, out, in] row-major.
 // Both run one persistent warp-specialised kernel (TMA producer warpgroup + two wgmma consumer
 // warpgroups). Calls are stream-ordered, allocate nothing, never synchronise and are CUDA-graph capturable:
 // the valid row count is read on the device from group_row_offset.
@@ -41,6 +46,28 @@ void grouped_gemm(const GroupedRows& rows, const void* a, const void* b, void* c
 void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate, const void* w_up, void* g,
                      void* u, void* act, int64_t n, int64_t k, const ActivationParams& activation,
                      cudaStream_t stream);
+
+// d_a = bf16(A[rows, k] . W[group(row)]) with W = [num_groups, k, n] (w_down [El, H, I] for the
+// down-projection backward), then d_g = bf16(act'_g(g, u) d_a), d_u = bf16(act'_u(g, u) d_a) with g, u the
+// forward's [rows, n] bf16 values. d_g and d_u rows are d_ld elements apart (d_ld >= n, multiple of 8).
+void grouped_activation_backward(const GroupedRows& rows, const void* a, const void* w, const void* g,
+                                 const void* u, void* d_g, void* d_u, int64_t d_ld, int64_t n, int64_t k,
+                                 const ActivationParams& activation, cudaStream_t stream);
+
+// C[rows, n] = A[rows, k] . B[group(row)] where B's K rows [0, k_split) come from b0 [num_groups, k_split, n]
+// and [k_split, k) from b1 [num_groups, k - k_split, n] (d_x = [d_g, d_u] . [w_gate; w_up]); b1 may be null
+// when k_split == k. k_split a multiple of 64.
+void grouped_gemm_transposed(const GroupedRows& rows, const void* a, const void* b0, const void* b1,
+                             int64_t k_split, void* c, int64_t n, int64_t k, cudaStream_t stream);
+
+enum class WeightGradMode : int32_t { kStoreF32 = 0, kAccumulateF32 = 1, kStoreBf16 = 2 };
+
+// Per group g: D[g][m, n] = sum over rows r in [offset[g], offset[g+1]) of A[r, 0:m]^T B[r, 0:n], fp32
+// accumulation in ascending row order (deterministic), written as fp32, added into fp32, or rounded to
+// bf16. A rows are a_ld elements apart, B rows b_ld. A group without rows gets zeros (or nothing added).
+// m and n multiples of 64; rows.group_row_offset multiples of 128.
+void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, int64_t m, const void* b,
+                         int64_t b_ld, int64_t n, void* d, WeightGradMode mode, cudaStream_t stream);
 
 // Diagnostics: the first bounded-wait timeout any grouped GEMM kernel recorded on the current device
 // (0 = none; 1 = consumer waited too long for a filled stage, 2 = producer waited too long for a free

@@ -1,6 +1,12 @@
-// Persistent warp-specialised grouped GEMM (sm_90a): C[rows, n] = A[rows, k] . B[group(row)][n, k]^T, and
-// the gate/up variant that computes gate and up tiles of the same columns together and applies the gated
-// activation in the epilogue.
+// Persistent warp-specialised grouped GEMM (sm_90a), one mainloop for every GEMM of the layer:
+//   forward      C[rows, n] = A[rows, k] . B[group(row)][n, k]^T          (A, B K-major)
+//   gate/up      g, u and act = act(g, u) of the same columns in one CTA  (A, B K-major)
+//   data grads   C[rows, n] = A[rows, k] . B[group(row)][k, n]            (B N-major: weights used
+//   transposed),
+//                optionally with the activation backward in the epilogue, optionally with B's K range
+//                split over two tensors (gate then up)
+//   weight grads C[group][m, n] = sum over the group's rows r of A[r, m] B[r, n]   (A, B MN-major: the
+//                reduction runs over expert-grouped rows; an expert without rows gets zeros)
 //
 // Warps: warpgroup 0 is the producer (one thread issues TMA loads of A and B tiles into a kNumStages ring,
 // 128-byte swizzled); warpgroups 1 and 2 are consumers, each owning 64 of the BLOCK_M = 128 tile rows and
@@ -16,6 +22,7 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/common/ptx.cuh"
 #include "kernels/gemm/activation.cuh"
@@ -27,7 +34,43 @@ namespace pounce::kernels::gemm {
 // ---------------------------------------------------------------------------------------------------
 // Config
 // ---------------------------------------------------------------------------------------------------
-enum class Epilogue { kStore, kGateUpActivation };
+enum class Epilogue {
+  kStore,               // bf16 C
+  kGateUpActivation,    // g, u, act = act(g, u)
+  kActivationBackward,  // d_a = bf16(acc); d_g, d_u = bf16(act'(g, u) d_a), g and u read from in0 / in1
+  kWeightGrad,          // fp32 store, fp32 accumulate or bf16 store (args.weight_grad_mode), rows < m only
+};
+enum class Major { kK, kMN };  // which extent of an operand is contiguous in memory
+enum class Grouping {
+  kRows,       // groups own row segments of A and C; B has one matrix per group
+  kReduction,  // groups own segments of the reduction rows; C has one matrix per group
+};
+
+// What one kernel instantiation computes (a structural template parameter).
+struct GemmKind {
+  Epilogue epilogue;
+  Major a;
+  Major b;
+  Grouping grouping;
+};
+// The kinds the layer uses. Kernels are instantiated on this enum (nvcc's host stubs cannot spell a
+// class-type template argument); device code works with the GemmKind it names.
+enum class KernelKind { kForwardStore, kForwardGateUp, kDataGrad, kDataGradActivation, kWeightGrad };
+constexpr GemmKind gemm_kind(KernelKind kind) {
+  switch (kind) {
+    case KernelKind::kForwardStore:
+      return {Epilogue::kStore, Major::kK, Major::kK, Grouping::kRows};
+    case KernelKind::kForwardGateUp:
+      return {Epilogue::kGateUpActivation, Major::kK, Major::kK, Grouping::kRows};
+    case KernelKind::kDataGrad:
+      return {Epilogue::kStore, Major::kK, Major::kMN, Grouping::kRows};
+    case KernelKind::kDataGradActivation:
+      return {Epilogue::kActivationBackward, Major::kK, Major::kMN, Grouping::kRows};
+    case KernelKind::kWeightGrad:
+      break;
+  }
+  return {Epilogue::kWeightGrad, Major::kMN, Major::kMN, Grouping::kReduction};
+}
 
 enum class WaitError : int32_t { kNone = 0, kFullStage = 1, kEmptyStage = 2, kRowsExceedCapacity = 3 };
 
@@ -35,6 +78,8 @@ struct GemmConfig {
   static constexpr int BLOCK_M = 128;
   static constexpr int BLOCK_N = 256;  // B rows per stage (gate/up: 128 gate + 128 up)
   static constexpr int BLOCK_K = 64;
+  static constexpr int kBoxMN = 64;  // MN-major operands arrive in boxes of 64 contiguous elements x BLOCK_K
+  static constexpr uint32_t kBoxBytes = kBoxMN * BLOCK_K * 2;
   static constexpr int kNumStages = 4;
   static constexpr int kNumConsumerWarpgroups = 2;
   static constexpr int kNumThreads = 128 * (1 + kNumConsumerWarpgroups);
@@ -49,6 +94,8 @@ struct GemmConfig {
   static_assert(BLOCK_K * 2 == 128, "a K block must be one 128-byte swizzle row; fix: BLOCK_K = 64 for bf16");
   static_assert(BLOCK_M == 64 * kNumConsumerWarpgroups,
                 "each consumer warpgroup owns 64 rows (wgmma m64); fix: BLOCK_M = 64 * consumer warpgroups");
+  static_assert(BLOCK_M % kBoxMN == 0 && BLOCK_N % kBoxMN == 0 && kBoxMN * 2 == 128,
+                "MN-major tiles are whole 128-byte boxes; fix: BLOCK_M, BLOCK_N multiples of 64");
   static_assert(BLOCK_N == 256, "the mainloop issues wgmma m64n256k16; fix: add a wgmma wrapper for other N");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kNumConsumerWarpgroups <= 65536,
                 "register file overcommitted; fix: lower kConsumerRegs or kProducerRegs");
@@ -57,17 +104,24 @@ struct GemmConfig {
 // Output column block width: the full B tile, or half of it for gate/up (gate and up share columns).
 template <Epilogue kEpilogue>
 inline constexpr int kOutBlockN =
-    kEpilogue == Epilogue::kStore ? GemmConfig::BLOCK_N : GemmConfig::BLOCK_N / 2;
+    kEpilogue == Epilogue::kGateUpActivation ? GemmConfig::BLOCK_N / 2 : GemmConfig::BLOCK_N;
 
 struct GroupedGemmArgs {
   const int32_t* group_row_offset;  // [num_groups + 1] rows, multiples of BLOCK_M
   int num_groups;
-  int32_t max_m_blocks;  // capacity / BLOCK_M
+  int32_t max_m_blocks;  // capacity / BLOCK_M (kRows)
+  int32_t m;             // output rows per group (kReduction)
   int32_t n;
   int32_t k;
-  __nv_bfloat16* out0;  // C, or g
-  __nv_bfloat16* out1;  // u (gate/up only)
-  __nv_bfloat16* out2;  // act (gate/up only)
+  int32_t k_split;           // MN-major B of kRows: K rows [0, k_split) from tmap_b0, the rest from tmap_b1
+  int64_t out_ld;            // row stride of out0 / out1 in elements
+  __nv_bfloat16* out0;       // C, g, or d_g
+  __nv_bfloat16* out1;       // u, or d_u
+  __nv_bfloat16* out2;       // act (gate/up only)
+  const __nv_bfloat16* in0;  // g (activation backward), row stride n
+  const __nv_bfloat16* in1;  // u (activation backward)
+  void* weight_grad;         // [num_groups][m][n] fp32 or bf16
+  WeightGradMode weight_grad_mode;
   ActivationParams activation;
   int32_t* error_flag;  // first WaitError recorded by any CTA
 };
@@ -104,37 +158,99 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Producer: one thread walks the tiles and keeps the stage ring full.
+// Tile walk: producer and consumers run the same scheduler, so they agree on every tile and its K range.
 // ---------------------------------------------------------------------------------------------------
-template <Epilogue kEpilogue>
+template <GemmKind kKind>
+struct TileWalk {
+  using C = GemmConfig;
+  static constexpr bool kReduction = kKind.grouping == Grouping::kReduction;
+  using Scheduler = std::conditional_t<kReduction, ReductionTileScheduler<C::BLOCK_M, C::BLOCK_N>,
+                                       TileScheduler<C::BLOCK_M, C::kMChunk>>;
+  Scheduler scheduler;
+  const int32_t* group_row_offset;
+  int32_t num_k_blocks;  // kRows: every tile runs the whole K
+
+  __device__ explicit TileWalk(const GroupedGemmArgs& a)
+      : scheduler(make_scheduler(a)), group_row_offset(a.group_row_offset), num_k_blocks(a.k / C::BLOCK_K) {}
+
+  static __device__ Scheduler make_scheduler(const GroupedGemmArgs& a) {
+    if constexpr (kReduction) {
+      return Scheduler(a.num_groups, a.m, a.n);
+    } else {
+      return Scheduler(a.group_row_offset, a.num_groups, a.max_m_blocks,
+                       (a.n + kOutBlockN<kKind.epilogue> - 1) / kOutBlockN<kKind.epilogue>);
+    }
+  }
+
+  // The next tile and its K blocks [kb_begin, kb_end).
+  __device__ bool next(Tile& tile, int32_t& kb_begin, int32_t& kb_end) {
+    if (!scheduler.next(tile)) return false;
+    if constexpr (kReduction) {
+      kb_begin = group_row_offset[tile.group] / C::BLOCK_K;
+      kb_end = group_row_offset[tile.group + 1] / C::BLOCK_K;
+    } else {
+      kb_begin = 0;
+      kb_end = num_k_blocks;
+    }
+    return true;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// Producer: one thread walks the tiles and keeps the stage ring full. MN-major operands arrive as boxes of
+// 64 MN elements x BLOCK_K rows; boxes wholly past the matrix edge are not loaded (their columns or rows
+// of the tile are never stored).
+// ---------------------------------------------------------------------------------------------------
+template <GemmKind kKind>
 __device__ __forceinline__ void run_producer(SharedStorage& ss, const CUtensorMap& tmap_a,
                                              const CUtensorMap& tmap_b0, const CUtensorMap& tmap_b1,
                                              const GroupedGemmArgs& args) {
   using C = GemmConfig;
-  TileScheduler<C::BLOCK_M, C::kMChunk> scheduler(
-      args.group_row_offset, args.num_groups, args.max_m_blocks,
-      (args.n + kOutBlockN<kEpilogue> - 1) / kOutBlockN<kEpilogue>);
-  const int32_t num_k_blocks = args.k / C::BLOCK_K;
+  constexpr Epilogue kEpilogue = kKind.epilogue;
+  TileWalk<kKind> walk(args);
   uint32_t stage = 0, phase = 0;
   Tile tile;
-  while (scheduler.next(tile)) {
+  int32_t kb_begin = 0, kb_end = 0;
+  while (walk.next(tile, kb_begin, kb_end)) {
     const int32_t row0 = tile.m_block * C::BLOCK_M;
     const int32_t col0 = tile.n_block * kOutBlockN<kEpilogue>;
-    for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
+    // Boxes inside the matrix (MN-major only; K-major tiles are single boxes with zero fill).
+    const int32_t a_boxes =
+        kKind.a == Major::kMN ? min(C::BLOCK_M / C::kBoxMN, (args.m - row0 + 63) / 64) : 0;
+    const int32_t b_boxes =
+        kKind.b == Major::kMN ? min(C::BLOCK_N / C::kBoxMN, (args.n - col0 + 63) / 64) : 0;
+    const uint32_t bytes = (kKind.a == Major::kMN ? a_boxes * C::kBoxBytes : C::kStageBytesA) +
+                           (kKind.b == Major::kMN ? b_boxes * C::kBoxBytes : C::kStageBytesB);
+    for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
       if (!ptx::mbarrier_wait_parity_bounded(&ss.empty[stage], phase ^ 1, C::kWaitTimeoutNs)) {
         record_error(args.error_flag, WaitError::kEmptyStage);
         return;
       }
       SharedStorage::Stage& st = ss.stages[stage];
       uint64_t* full = &ss.full[stage];
-      ptx::mbarrier_arrive_expect_tx(full, C::kStageBytes);
+      ptx::mbarrier_arrive_expect_tx(full, bytes);
       const int32_t k0 = kb * C::BLOCK_K;
-      ptx::tma_load_2d(st.a, &tmap_a, full, k0, row0);
-      if constexpr (kEpilogue == Epilogue::kStore) {
-        ptx::tma_load_3d(st.b, &tmap_b0, full, k0, col0, tile.group);
+      if constexpr (kKind.a == Major::kK) {
+        ptx::tma_load_2d(st.a, &tmap_a, full, k0, row0);
       } else {
+        for (int32_t box = 0; box < a_boxes; ++box)
+          ptx::tma_load_2d(st.a + box * C::kBoxMN * C::BLOCK_K, &tmap_a, full, row0 + box * C::kBoxMN, k0);
+      }
+      if constexpr (kEpilogue == Epilogue::kGateUpActivation) {
         ptx::tma_load_3d(st.b, &tmap_b0, full, k0, col0, tile.group);
         ptx::tma_load_3d(st.b + (C::BLOCK_N / 2) * C::BLOCK_K, &tmap_b1, full, k0, col0, tile.group);
+      } else if constexpr (kKind.b == Major::kK) {
+        ptx::tma_load_3d(st.b, &tmap_b0, full, k0, col0, tile.group);
+      } else if constexpr (kKind.grouping == Grouping::kReduction) {
+        for (int32_t box = 0; box < b_boxes; ++box)
+          ptx::tma_load_2d(st.b + box * C::kBoxMN * C::BLOCK_K, &tmap_b0, full, col0 + box * C::kBoxMN, k0);
+      } else {
+        const bool second = k0 >= args.k_split;
+        const CUtensorMap* map = second ? &tmap_b1 : &tmap_b0;
+        const int32_t k_in = second ? k0 - args.k_split : k0;
+        for (int32_t box = 0; box < b_boxes; ++box)
+          ptx::tma_load_3d(st.b + box * C::kBoxMN * C::BLOCK_K, map, full, col0 + box * C::kBoxMN, k_in,
+                           tile.group);
       }
       if (++stage == C::kNumStages) stage = 0, phase ^= 1;
     }
@@ -179,12 +295,13 @@ __device__ __forceinline__ float bf16_hi(uint32_t packed) {
   return __uint_as_float(packed & 0xFFFF0000u);
 }
 
-// `row`: this lane's first row (the second is row + 8); `col_block`: first column of the tile.
-template <int kChunks>
-__device__ __forceinline__ void store_chunks(const float* acc, __nv_bfloat16* out, int32_t n, int64_t row,
-                                             int32_t col_block, int lane) {
+// `row`: this lane's first row (the second is row + 8); `col_block`: first column of the tile; `row_limit`:
+// rows at or beyond it are not stored (weight gradients whose m is not a multiple of BLOCK_M).
+__device__ __forceinline__ void store_tile_bf16(const float (&acc)[128], __nv_bfloat16* out, int64_t ld,
+                                                int32_t n, int64_t row, int32_t col_block, int64_t row_limit,
+                                                int lane) {
 #pragma unroll
-  for (int m = 0; m < kChunks / 4; ++m) {
+  for (int m = 0; m < 8; ++m) {
     if (col_block + 32 * m >= n) break;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -193,14 +310,10 @@ __device__ __forceinline__ void store_chunks(const float* acc, __nv_bfloat16* ou
       for (int c = 0; c < 4; ++c)
         w[c] = ptx::pack_bf16x2(acc[4 * (4 * m + c) + 2 * h], acc[4 * (4 * m + c) + 2 * h + 1]);
       quad_transpose(w, lane);
-      store_16_bytes(out + (row + 8 * h) * n + col_block + 32 * m + 8 * (lane % 4), w);
+      if (row + 8 * h < row_limit)
+        store_16_bytes(out + (row + 8 * h) * ld + col_block + 32 * m + 8 * (lane % 4), w);
     }
   }
-}
-
-__device__ __forceinline__ void store_tile(const float (&acc)[128], const GroupedGemmArgs& args, int64_t row,
-                                           int32_t col_block, int lane) {
-  store_chunks<32>(acc, args.out0, args.n, row, col_block, lane);
 }
 
 // Gate in accumulator chunks 0..15, up in 16..31, same columns.
@@ -223,10 +336,99 @@ __device__ __forceinline__ void store_gate_up_tile(const float (&acc)[128], cons
       quad_transpose(g, lane);
       quad_transpose(u, lane);
       quad_transpose(a, lane);
-      const int64_t offset = (row + 8 * h) * args.n + col_block + 32 * m + 8 * (lane % 4);
+      const int64_t offset = (row + 8 * h) * args.out_ld + col_block + 32 * m + 8 * (lane % 4);
       store_16_bytes(args.out0 + offset, g);
       store_16_bytes(args.out1 + offset, u);
       store_16_bytes(args.out2 + offset, a);
+    }
+  }
+}
+
+// d_a = bf16(acc) (the reference's rounding point), then d_g, d_u = bf16(act'(g, u) d_a) with g and u the
+// bf16 values the forward saved at the same (row, column).
+__device__ __forceinline__ void store_activation_backward_tile(const float (&acc)[128],
+                                                               const GroupedGemmArgs& args, int64_t row,
+                                                               int32_t col_block, int lane) {
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    if (col_block + 32 * m >= args.n) break;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t d_a[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        d_a[c] = ptx::pack_bf16x2(acc[4 * (4 * m + c) + 2 * h], acc[4 * (4 * m + c) + 2 * h + 1]);
+      quad_transpose(d_a, lane);
+      const int64_t col = col_block + 32 * m + 8 * (lane % 4);
+      const uint4 g = *reinterpret_cast<const uint4*>(args.in0 + (row + 8 * h) * args.n + col);
+      const uint4 u = *reinterpret_cast<const uint4*>(args.in1 + (row + 8 * h) * args.n + col);
+      const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
+      uint32_t d_g[4], d_u[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float dg_lo, du_lo, dg_hi, du_hi;
+        apply_activation_backward(bf16_lo(gw[c]), bf16_lo(uw[c]), bf16_lo(d_a[c]), args.activation, dg_lo,
+                                  du_lo);
+        apply_activation_backward(bf16_hi(gw[c]), bf16_hi(uw[c]), bf16_hi(d_a[c]), args.activation, dg_hi,
+                                  du_hi);
+        d_g[c] = ptx::pack_bf16x2(dg_lo, dg_hi);
+        d_u[c] = ptx::pack_bf16x2(du_lo, du_hi);
+      }
+      const int64_t offset = (row + 8 * h) * args.out_ld + col;
+      store_16_bytes(args.out0 + offset, d_g);
+      store_16_bytes(args.out1 + offset, d_u);
+    }
+  }
+}
+
+// Weight gradient of one expert: fp32 pairs straight from the accumulator layout, or bf16 through the
+// 16-byte path. Rows at or beyond m belong to no expert and are not stored.
+__device__ __forceinline__ void store_weight_grad_tile(const float (&acc)[128], const GroupedGemmArgs& args,
+                                                       int32_t group, int64_t row, int32_t col_block,
+                                                       int lane) {
+  const int64_t matrix = static_cast<int64_t>(group) * args.m * args.n;
+  if (args.weight_grad_mode == WeightGradMode::kStoreBf16) {
+    store_tile_bf16(acc, static_cast<__nv_bfloat16*>(args.weight_grad) + matrix, args.n, args.n, row,
+                    col_block, args.m, lane);
+    return;
+  }
+  float* out = static_cast<float*>(args.weight_grad) + matrix;
+  const bool accumulate = args.weight_grad_mode == WeightGradMode::kAccumulateF32;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int32_t col = col_block + 8 * j + 2 * (lane % 4);
+    if (col_block + 8 * j >= args.n) break;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (row + 8 * h >= args.m) continue;
+      float2* dst = reinterpret_cast<float2*>(out + (row + 8 * h) * args.n + col);
+      float2 value = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      if (accumulate) {
+        const float2 old = *dst;
+        value.x = __fadd_rn(old.x, value.x);
+        value.y = __fadd_rn(old.y, value.y);
+      }
+      *dst = value;
+    }
+  }
+}
+
+// The same rows and columns as store_weight_grad_tile, all zero (nothing to add when accumulating).
+__device__ __forceinline__ void store_weight_grad_zeros(const GroupedGemmArgs& args, int32_t group,
+                                                        int64_t row, int32_t col_block, int lane) {
+  if (args.weight_grad_mode == WeightGradMode::kAccumulateF32) return;
+  const bool bf16 = args.weight_grad_mode == WeightGradMode::kStoreBf16;
+  const int64_t matrix = static_cast<int64_t>(group) * args.m * args.n;
+  for (int j = 0; j < 32 && col_block + 8 * j < args.n; ++j) {
+    const int64_t col = col_block + 8 * j + 2 * (lane % 4);
+    for (int h = 0; h < 2; ++h) {
+      if (row + 8 * h >= args.m) continue;
+      const int64_t at = matrix + (row + 8 * h) * args.n + col;
+      if (bf16) {
+        *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(args.weight_grad) + at) = 0u;
+      } else {
+        *reinterpret_cast<float2*>(static_cast<float*>(args.weight_grad) + at) = make_float2(0.0f, 0.0f);
+      }
     }
   }
 }
@@ -235,17 +437,25 @@ __device__ __forceinline__ void store_gate_up_tile(const float (&acc)[128], cons
 // Consumer: a warpgroup multiplies its 64 rows of every tile, releasing each stage one K block late so
 // that one wgmma group stays in flight while the next is issued.
 // ---------------------------------------------------------------------------------------------------
-template <Epilogue kEpilogue>
+template <Major kMajor>
+__device__ __forceinline__ uint64_t smem_desc(uint32_t tile_base, int kk) {
+  if constexpr (kMajor == Major::kK) {
+    return ptx::make_smem_desc_k_major_sw128(tile_base + kk * 32);  // 16 elements along the swizzled row
+  } else {
+    return ptx::make_smem_desc_mn_major_sw128(tile_base + kk * 16 * 128, GemmConfig::kBoxBytes);  // 16 rows
+  }
+}
+
+template <GemmKind kKind>
 __device__ __forceinline__ void run_consumer(SharedStorage& ss, const GroupedGemmArgs& args,
                                              int consumer_idx) {
   using C = GemmConfig;
-  TileScheduler<C::BLOCK_M, C::kMChunk> scheduler(
-      args.group_row_offset, args.num_groups, args.max_m_blocks,
-      (args.n + kOutBlockN<kEpilogue> - 1) / kOutBlockN<kEpilogue>);
-  const int32_t num_k_blocks = args.k / C::BLOCK_K;
+  constexpr Epilogue kEpilogue = kKind.epilogue;
+  TileWalk<kKind> walk(args);
   const int warp_in_group = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
-  const uint32_t a_row_offset_bytes = consumer_idx * 64 * C::BLOCK_K * 2;
+  // This warpgroup's 64 rows of A: rows 64c.. of a K-major tile, or box c of an M-major one; both 8 KB in.
+  const uint32_t a_offset_bytes = consumer_idx * 64 * C::BLOCK_K * 2;
   auto release = [&](uint32_t s) {
     if (lane == 0) ptx::mbarrier_arrive(&ss.empty[s]);
   };
@@ -253,26 +463,27 @@ __device__ __forceinline__ void run_consumer(SharedStorage& ss, const GroupedGem
   uint32_t stage = 0, phase = 0;
   float acc[128];
   Tile tile;
-  while (scheduler.next(tile)) {
+  int32_t kb_begin = 0, kb_end = 0;
+  while (walk.next(tile, kb_begin, kb_end)) {
     uint32_t prev_stage = 0;
-    for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
+    for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
       if (!ptx::mbarrier_wait_parity_bounded(&ss.full[stage], phase, C::kWaitTimeoutNs)) {
         ptx::wgmma_wait_group<0>();  // leave no wgmma in flight behind
         record_error(args.error_flag, WaitError::kFullStage);
         return;
       }
-      const uint32_t a_base = ptx::smem_addr(ss.stages[stage].a) + a_row_offset_bytes;
+      const uint32_t a_base = ptx::smem_addr(ss.stages[stage].a) + a_offset_bytes;
       const uint32_t b_base = ptx::smem_addr(ss.stages[stage].b);
       fence_accumulators(acc);
       ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < C::BLOCK_K / 16; ++kk) {
-        ptx::wgmma_m64n256k16_bf16(acc, ptx::make_smem_desc_k_major_sw128(a_base + kk * 32),
-                                   ptx::make_smem_desc_k_major_sw128(b_base + kk * 32), kb > 0 || kk > 0);
+        ptx::wgmma_m64n256k16_bf16<kKind.a == Major::kMN, kKind.b == Major::kMN>(
+            acc, smem_desc<kKind.a>(a_base, kk), smem_desc<kKind.b>(b_base, kk), kb > kb_begin || kk > 0);
       }
       ptx::wgmma_commit_group();
       fence_accumulators(acc);
-      if (kb > 0) {
+      if (kb > kb_begin) {
         ptx::wgmma_wait_group<1>();
         release(prev_stage);
       }
@@ -281,15 +492,21 @@ __device__ __forceinline__ void run_consumer(SharedStorage& ss, const GroupedGem
     }
     ptx::wgmma_wait_group<0>();
     fence_accumulators(acc);
-    release(prev_stage);
+    if (kb_end > kb_begin) release(prev_stage);
 
     const int64_t row =
         static_cast<int64_t>(tile.m_block) * C::BLOCK_M + consumer_idx * 64 + warp_in_group * 16 + lane / 4;
     const int32_t col_block = tile.n_block * kOutBlockN<kEpilogue>;
     if constexpr (kEpilogue == Epilogue::kStore) {
-      store_tile(acc, args, row, col_block, lane);
-    } else {
+      store_tile_bf16(acc, args.out0, args.out_ld, args.n, row, col_block, INT64_MAX, lane);
+    } else if constexpr (kEpilogue == Epilogue::kGateUpActivation) {
       store_gate_up_tile(acc, args, row, col_block, lane);
+    } else if constexpr (kEpilogue == Epilogue::kActivationBackward) {
+      store_activation_backward_tile(acc, args, row, col_block, lane);
+    } else if (kb_end > kb_begin) {
+      store_weight_grad_tile(acc, args, tile.group, row, col_block, lane);
+    } else {
+      store_weight_grad_zeros(args, tile.group, row, col_block, lane);  // an expert without rows
     }
   }
 }
@@ -297,12 +514,13 @@ __device__ __forceinline__ void run_consumer(SharedStorage& ss, const GroupedGem
 // ---------------------------------------------------------------------------------------------------
 // Kernel
 // ---------------------------------------------------------------------------------------------------
-template <Epilogue kEpilogue>
+template <KernelKind kKernelKind>
 __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                         const __grid_constant__ CUtensorMap tmap_b0,
                         const __grid_constant__ CUtensorMap tmap_b1, const GroupedGemmArgs args) {
   using C = GemmConfig;
+  constexpr GemmKind kKind = gemm_kind(kKernelKind);
   // Shared memory: the dynamic base aligned up to 1024 bytes for the 128B swizzle atoms.
   extern __shared__ uint8_t smem_raw[];
   const uintptr_t smem_base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
@@ -314,14 +532,15 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
   if (threadIdx.x == 0) {
     ptx::prefetch_tensor_map(&tmap_a);
     ptx::prefetch_tensor_map(&tmap_b0);
-    if constexpr (kEpilogue == Epilogue::kGateUpActivation) ptx::prefetch_tensor_map(&tmap_b1);
+    ptx::prefetch_tensor_map(&tmap_b1);
 #pragma unroll
     for (int s = 0; s < C::kNumStages; ++s) {
       ptx::mbarrier_init(&ss.full[s], 1);
       ptx::mbarrier_init(&ss.empty[s], 4 * C::kNumConsumerWarpgroups);
     }
     ptx::fence_mbarrier_init();
-    if (blockIdx.x == 0 && args.group_row_offset[args.num_groups] > args.max_m_blocks * C::BLOCK_M) {
+    if (kKind.grouping == Grouping::kRows && blockIdx.x == 0 &&
+        args.group_row_offset[args.num_groups] > args.max_m_blocks * C::BLOCK_M) {
       record_error(args.error_flag, WaitError::kRowsExceedCapacity);
     }
   }
@@ -330,10 +549,10 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
   // Register reconfiguration + roles: the producer warpgroup gives registers to the two consumers.
   if (warpgroup_idx == 0) {
     ptx::setmaxnreg_dec<C::kProducerRegs>();
-    if (threadIdx.x == 0) run_producer<kEpilogue>(ss, tmap_a, tmap_b0, tmap_b1, args);
+    if (threadIdx.x == 0) run_producer<kKind>(ss, tmap_a, tmap_b0, tmap_b1, args);
   } else {
     ptx::setmaxnreg_inc<C::kConsumerRegs>();
-    run_consumer<kEpilogue>(ss, args, warpgroup_idx - 1);
+    run_consumer<kKind>(ss, args, warpgroup_idx - 1);
   }
 }
 

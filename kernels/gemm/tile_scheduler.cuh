@@ -71,4 +71,33 @@ class TileScheduler {
   int32_t end_m_ = 0;
 };
 
+// Weight-gradient scheduler: every group (expert) owns the same [m, n] output; the group splits the
+// reduction instead, over its rows [offset[g], offset[g + 1]). Tiles are numbered group by group, n-block
+// major and m fastest inside a group, so concurrent CTAs read the same rows of the same expert.
+template <int BLOCK_M, int BLOCK_N>
+class ReductionTileScheduler {
+ public:
+  __device__ ReductionTileScheduler(int num_groups, int32_t m, int32_t n)
+      : num_m_blocks_((m + BLOCK_M - 1) / BLOCK_M),
+        tiles_per_group_(num_m_blocks_ * ((n + BLOCK_N - 1) / BLOCK_N)),
+        num_tiles_(tiles_per_group_ * num_groups),
+        tile_idx_(static_cast<int32_t>(blockIdx.x)) {}
+
+  __device__ bool next(Tile& tile) {
+    if (tile_idx_ >= num_tiles_) return false;
+    tile.group = tile_idx_ / tiles_per_group_;
+    const int32_t within = tile_idx_ - tile.group * tiles_per_group_;
+    tile.m_block = within % num_m_blocks_;
+    tile.n_block = within / num_m_blocks_;
+    tile_idx_ += static_cast<int32_t>(gridDim.x);
+    return true;
+  }
+
+ private:
+  int32_t num_m_blocks_;
+  int32_t tiles_per_group_;
+  int32_t num_tiles_;
+  int32_t tile_idx_;
+};
+
 }  // namespace pounce::kernels::gemm

@@ -54,7 +54,13 @@ enum class DeviceErrorCode : int32_t {
   kExpertOutOfRange = 2,  // topk_idx value out of range: source rank, token, slot, value
   kScheduleOverflow = 3,  // more rows than rows_capacity (duplicate expert ids within a token)
 };
-enum class WaitId : int32_t { kNone = 0, kRoutingBarrier = 1, kCombineBarrier = 2 };
+enum class WaitId : int32_t {
+  kNone = 0,
+  kRoutingBarrier = 1,          // forward: routing exchanged
+  kCombineBarrier = 2,          // forward: expert outputs pushed
+  kBackwardInputsBarrier = 3,   // backward: d_out and topk_weights staged for the owners' pulls
+  kBackwardCombineBarrier = 4,  // backward: d_x pairs pushed
+};
 
 struct DeviceErrorRecord {
   int32_t code;      // DeviceErrorCode
@@ -86,6 +92,9 @@ struct WorkspaceLayout {
   int64_t sym_routing_idx = 0;     // int32 [R][routing_stride]: topk_idx of each source rank
   int64_t sym_x = 0;               // bf16 [token_capacity][H]: this rank's x, rows >= T zeroed
   int64_t sym_y_slots = 0;         // bf16 [max_tokens][k][H]: expert output per (token, slot)
+  int64_t sym_d_out = 0;           // bf16 [token_capacity][H]: this rank's d_out, rows >= T zeroed
+  int64_t sym_topk_weights = 0;    // fp32 [routing_stride]: this rank's topk_weights (backward pulls them)
+  int64_t sym_dx_slots = 0;        // bf16 [max_tokens][k][H]: d_x of each (token, slot) pushed by its owner
   int64_t symmetric_bytes = 0;     // rounded up to 4096
 
   // ---- local allocation ----
@@ -106,6 +115,12 @@ struct WorkspaceLayout {
   int64_t loc_shared_u = 0;           // bf16 [token_capacity][Is]
   int64_t loc_shared_act = 0;         // bf16 [token_capacity][Is]
   int64_t loc_shared_y = 0;           // bf16 [token_capacity][H]    (0 bytes when Is = 0)
+  // backward only (nothing here is forward context)
+  int64_t loc_dy_rows = 0;      // bf16 [rows_capacity][H]: w * d_out pulled per row, padding = 0
+  int64_t loc_d_gu_rows = 0;    // bf16 [rows_capacity][2I]: d_g in columns [0, I), d_u in [I, 2I)
+  int64_t loc_dx_rows = 0;      // bf16 [rows_capacity][H]: d_x of each row before the push
+  int64_t loc_shared_d_gu = 0;  // bf16 [token_capacity][2Is]
+  int64_t loc_shared_dx = 0;    // bf16 [token_capacity][H]    (0 bytes when Is = 0)
   int64_t local_bytes = 0;
 
   static WorkspaceLayout make(int64_t max_tokens, int64_t hidden, int64_t intermediate,
@@ -140,6 +155,9 @@ struct WorkspaceLayout {
     l.sym_routing_idx = carve(R * l.routing_stride * 4);
     l.sym_x = carve(l.token_capacity * H * kBf16Bytes);
     l.sym_y_slots = carve(max_tokens * k * H * kBf16Bytes);
+    l.sym_d_out = carve(l.token_capacity * H * kBf16Bytes);
+    l.sym_topk_weights = carve(l.routing_stride * 4);
+    l.sym_dx_slots = carve(max_tokens * k * H * kBf16Bytes);
     l.symmetric_bytes = round_up(at, kSymmetricAlign);
 
     at = 0;
@@ -160,6 +178,11 @@ struct WorkspaceLayout {
     l.loc_shared_u = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_act = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_y = carve(Is > 0 ? l.token_capacity * H * kBf16Bytes : 0);
+    l.loc_dy_rows = carve(l.rows_capacity * H * kBf16Bytes);
+    l.loc_d_gu_rows = carve(l.rows_capacity * 2 * I * kBf16Bytes);
+    l.loc_dx_rows = carve(l.rows_capacity * H * kBf16Bytes);
+    l.loc_shared_d_gu = carve(l.token_capacity * 2 * Is * kBf16Bytes);
+    l.loc_shared_dx = carve(Is > 0 ? l.token_capacity * H * kBf16Bytes : 0);
     l.local_bytes = at;
     return l;
   }
@@ -181,6 +204,7 @@ struct WorkspacePointers {
   char* symmetric;            // this rank's symmetric base
   const uint64_t* peer_base;  // [R]
   int64_t sym_barrier_inbox, sym_routing_tokens, sym_routing_idx, sym_x, sym_y_slots;  // offsets
+  int64_t sym_d_out, sym_topk_weights, sym_dx_slots;
 
   uint32_t* barrier_epoch;
   int32_t* error_claim;
@@ -199,6 +223,11 @@ struct WorkspacePointers {
   void* shared_u;
   void* shared_act;
   void* shared_y;
+  void* dy_rows;
+  void* d_gu_rows;
+  void* dx_rows;
+  void* shared_d_gu;
+  void* shared_dx;
 
   // Address of `offset` inside rank `peer`'s symmetric allocation.
   template <typename T>

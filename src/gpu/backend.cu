@@ -247,6 +247,9 @@ layout::WorkspacePointers GpuWorkspace::pointers() const {
   p.sym_routing_idx = l.sym_routing_idx;
   p.sym_x = l.sym_x;
   p.sym_y_slots = l.sym_y_slots;
+  p.sym_d_out = l.sym_d_out;
+  p.sym_topk_weights = l.sym_topk_weights;
+  p.sym_dx_slots = l.sym_dx_slots;
   p.barrier_epoch = static_cast<uint32_t*>(at(l.loc_barrier_epoch));
   p.error_claim = static_cast<int32_t*>(at(l.loc_error_claim));
   p.error = error_device;
@@ -264,6 +267,11 @@ layout::WorkspacePointers GpuWorkspace::pointers() const {
   p.shared_u = at(l.loc_shared_u);
   p.shared_act = at(l.loc_shared_act);
   p.shared_y = at(l.loc_shared_y);
+  p.dy_rows = at(l.loc_dy_rows);
+  p.d_gu_rows = at(l.loc_d_gu_rows);
+  p.dx_rows = at(l.loc_dx_rows);
+  p.shared_d_gu = at(l.loc_shared_d_gu);
+  p.shared_dx = at(l.loc_shared_dx);
   return p;
 }
 
@@ -370,6 +378,24 @@ GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup> group, int rank, cons
 
 // ---- errors ----
 
+namespace {
+const char* wait_name(layout::WaitId id) {
+  switch (id) {
+    case layout::WaitId::kRoutingBarrier:
+      return "forward routing";
+    case layout::WaitId::kCombineBarrier:
+      return "forward combine";
+    case layout::WaitId::kBackwardInputsBarrier:
+      return "backward inputs (d_out staged)";
+    case layout::WaitId::kBackwardCombineBarrier:
+      return "backward combine (d_x pushed)";
+    case layout::WaitId::kNone:
+      break;
+  }
+  return "unknown";
+}
+}  // namespace
+
 void check_device_errors(GpuWorkspace& workspace) {
   volatile layout::DeviceErrorRecord* record = workspace.error_host;
   const int32_t code = record->code;
@@ -389,9 +415,7 @@ void check_device_errors(GpuWorkspace& workspace) {
   std::ostringstream out;
   switch (static_cast<layout::DeviceErrorCode>(copy.code)) {
     case layout::DeviceErrorCode::kWaitTimeout: {
-      const char* which = copy.wait_id == static_cast<int32_t>(layout::WaitId::kRoutingBarrier)   ? "routing"
-                          : copy.wait_id == static_cast<int32_t>(layout::WaitId::kCombineBarrier) ? "combine"
-                                                                                                  : "unknown";
+      const char* which = wait_name(static_cast<layout::WaitId>(copy.wait_id));
       out << "GPU wait timed out: rank " << copy.rank << " waited at the " << which << " barrier for rank "
           << copy.peer << " (expected epoch " << copy.expected << ", observed " << copy.observed
           << ") longer than POUNCE_PEER_TIMEOUT_S; every rank must call forward/backward with its workspace "
@@ -451,8 +475,9 @@ void recompute_forward_context(GpuWorkspace& workspace, const ForwardArgs& args,
   launch_staged_forward(workspace, args, static_cast<cudaStream_t>(stream), /*write_out=*/false);
 }
 
-void backward(GpuWorkspace&, const BackwardArgs&, void*) {
-  throw Error("backward on GPUs is not implemented yet (issue #5)");
+void backward(GpuWorkspace& workspace, const BackwardArgs& args, void* stream) {
+  check_forward_supported(workspace);
+  launch_staged_backward(workspace, args, static_cast<cudaStream_t>(stream));
 }
 
 }  // namespace pounce::gpu

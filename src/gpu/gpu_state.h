@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/gemm/grouped_gemm.h"
 #include "kernels/layout/workspace_layout.cuh"
 #include "pounce/config.h"
 #include "pounce/error.h"
@@ -75,9 +76,19 @@ struct GpuWorkspace {
   layout::WorkspacePointers pointers() const;
 };
 
+// Shared by the staged passes (src/gpu/staged_forward.cu): the activation as the GEMM epilogues take it,
+// and a phase barrier over the group (nothing for one rank; at most kBarrierThreads ranks).
+inline constexpr int kBarrierThreads = 128;
+kernels::ActivationParams activation_params(const Activation& activation);
+void launch_barrier(const layout::WorkspacePointers& p, layout::WaitId which, cudaStream_t stream);
+
 // Launches the staged forward on `stream` (src/gpu/staged_forward.cu). `write_out` = false rebuilds the
 // forward context only (recompute_forward_context).
 void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
                            bool write_out);
+
+// Launches the staged backward on `stream` (src/gpu/staged_backward.cu). Consumes the forward context the
+// last forward (or recompute_forward_context) of this workspace left; does not modify it.
+void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream);
 
 }  // namespace pounce::gpu

@@ -24,8 +24,13 @@ namespace pounce::gpu {
 namespace {
 
 constexpr int kCopyThreads = 256;
-constexpr int kBarrierThreads = 128;
 constexpr int kScanThreads = 512;
+
+bool aligned_16(const void* pointer) {
+  return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
+}
+
+}  // namespace
 
 kernels::ActivationParams activation_params(const Activation& activation) {
   kernels::ActivationParams params;
@@ -37,16 +42,11 @@ kernels::ActivationParams activation_params(const Activation& activation) {
   return params;
 }
 
-bool aligned_16(const void* pointer) {
-  return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
-}
-
 void launch_barrier(const layout::WorkspacePointers& p, layout::WaitId which, cudaStream_t stream) {
   if (p.num_ranks == 1) return;
+  POUNCE_CHECK(p.num_ranks <= kBarrierThreads, "num_ranks = ", p.num_ranks, " exceeds ", kBarrierThreads);
   routing::phase_barrier_kernel<kBarrierThreads><<<1, kBarrierThreads, 0, stream>>>(p, which);
 }
-
-}  // namespace
 
 void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
                            bool write_out) {
@@ -56,7 +56,6 @@ void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cud
   const int64_t H = p.hidden, I = p.intermediate, Is = p.shared_intermediate;
   POUNCE_CHECK(num_tokens >= 0 && num_tokens <= p.max_tokens, "x has ", num_tokens,
                " tokens but the workspace was created for max_tokens = ", p.max_tokens);
-  POUNCE_CHECK(p.num_ranks <= kBarrierThreads, "num_ranks = ", p.num_ranks, " exceeds ", kBarrierThreads);
   POUNCE_CHECK(num_tokens == 0 || aligned_16(args.x.data), "x must be 16-byte aligned on the GPU backend");
   POUNCE_CHECK(!write_out || num_tokens == 0 || aligned_16(args.out.data),
                "out must be 16-byte aligned on the GPU backend");
@@ -99,11 +98,13 @@ void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cud
   }
 
   // 7. Combine: push rows into the owners' slots; barrier; weighted sum over slots.
-  combine::combine_push_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(p);
+  combine::combine_push_kernel<kCopyThreads>
+      <<<copy_grid, kCopyThreads, 0, stream>>>(p, p.y_rows, p.sym_y_slots);
   launch_barrier(p, layout::WaitId::kCombineBarrier, stream);
   if (write_out && num_tokens > 0) {
-    combine::weighted_sum_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(
-        p, args.topk_weights.as<const float>(), args.out.data, num_tokens, Is > 0);
+    combine::weighted_sum_kernel<kCopyThreads>
+        <<<copy_grid, kCopyThreads, 0, stream>>>(p, p.sym_y_slots, args.topk_weights.as<const float>(),
+                                                 Is > 0 ? p.shared_y : nullptr, args.out.data, num_tokens);
   }
   POUNCE_CUDA(cudaGetLastError());
 }

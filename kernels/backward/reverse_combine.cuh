@@ -1,0 +1,119 @@
+// Backward, token side and reverse-combine (DESIGN.md §1-§2; reference/backward.cpp phase 1).
+//
+//   stage_inputs   : sym_d_out[t] = d_out[t] for t < T, 0 up to round_up(T, 128) (the shared expert's rows);
+//                    sym_topk_weights[t, j] = topk_weights[t, j]. Peers pull both after the barrier.
+//   router_grad    : d_topk_weights[t, j] = <d_out[t], y[t, j]> with y the expert output the forward pushed
+//                    into this rank's slot (t, j); 0 for an unused slot. fp32 products and sums, no division
+//                    by the weight, so a zero weight still gets its true gradient. One warp per (t, j): each
+//                    lane sums its columns in ascending order, then a fixed xor tree (deterministic).
+//   pull_scaled    : dy_rows[row] = bf16(w * d_out_src[t]) for every schedule row, w = topk_weights_src[t, j]
+//                    pulled with the row; padding rows get zeros (their GEMM rows and wgrad terms vanish).
+// No flags inside: the backward inputs barrier orders the staged rows before the pulls, exactly as the
+// routing barrier does for the forward dispatch.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/dispatch/dispatch.cuh"
+#include "kernels/layout/workspace_layout.cuh"
+
+namespace pounce::reverse_combine {
+
+__device__ __forceinline__ void stage_inputs(const layout::WorkspacePointers& ws, const void* d_out,
+                                             const float* topk_weights, int64_t num_tokens) {
+  const int64_t padded_tokens = layout::round_up(num_tokens, layout::kBlockM);
+  const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
+  int4* sym_d_out = ws.local_sym<int4>(ws.sym_d_out);
+  for (int64_t t = dispatch::global_warp(); t < padded_tokens; t += dispatch::num_global_warps()) {
+    if (t < num_tokens) {
+      dispatch::warp_copy_16b(sym_d_out + t * row_vectors, static_cast<const int4*>(d_out) + t * row_vectors,
+                              row_vectors);
+    } else {
+      dispatch::warp_zero_16b(sym_d_out + t * row_vectors, row_vectors);
+    }
+  }
+  float* sym_weights = ws.local_sym<float>(ws.sym_topk_weights);
+  const int64_t num_entries = num_tokens * ws.num_topk;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_entries;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    sym_weights[i] = topk_weights[i];
+  }
+}
+
+__device__ __forceinline__ float dot_bf16x8(const int4& a, const int4& b, float acc) {
+  const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&a);
+  const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&b);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc = __fadd_rn(acc, __fmul_rn(__bfloat162float(x[i]), __bfloat162float(y[i])));
+  return acc;
+}
+
+__device__ __forceinline__ void router_grad(const layout::WorkspacePointers& ws, const void* d_out,
+                                            float* d_topk_weights, int64_t num_tokens) {
+  const int64_t k = ws.num_topk, row_vectors = ws.hidden * layout::kBf16Bytes / 16;
+  const int32_t* topk_idx = ws.local_sym<const int32_t>(ws.sym_routing_idx) + ws.rank * ws.routing_stride;
+  const int4* y_slots = ws.local_sym<const int4>(ws.sym_y_slots);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  for (int64_t pair = dispatch::global_warp(); pair < num_tokens * k; pair += dispatch::num_global_warps()) {
+    const int32_t expert = topk_idx[pair];
+    float acc = 0.0f;
+    if (expert >= 0 && expert < ws.num_experts) {
+      const int4* dy = static_cast<const int4*>(d_out) + (pair / k) * row_vectors;
+      const int4* y = y_slots + pair * row_vectors;
+      for (int64_t v = lane; v < row_vectors; v += 32) acc = dot_bf16x8(dy[v], y[v], acc);
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2)
+        acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, offset));
+    }
+    if (lane == 0) d_topk_weights[pair] = acc;
+  }
+}
+
+__device__ __forceinline__ void pull_scaled_rows(const layout::WorkspacePointers& ws) {
+  const int64_t num_rows = ws.group_row_offset[ws.num_local_experts];
+  const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
+  int4* dy_rows = static_cast<int4*>(ws.dy_rows);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  for (int64_t row = dispatch::global_warp(); row < num_rows; row += dispatch::num_global_warps()) {
+    const layout::ScheduleEntry entry = ws.schedule[row];
+    int4* dst = dy_rows + row * row_vectors;
+    if (entry.src_rank < 0) {
+      dispatch::warp_zero_16b(dst, row_vectors);
+      continue;
+    }
+    const float w = ws.peer<const float>(
+        entry.src_rank,
+        ws.sym_topk_weights)[static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot];
+    const int4* src = ws.peer<const int4>(entry.src_rank, ws.sym_d_out) + entry.src_token * row_vectors;
+    for (int64_t v = lane; v < row_vectors; v += 32) {
+      const int4 packed = src[v];
+      const __nv_bfloat16* d = reinterpret_cast<const __nv_bfloat16*>(&packed);
+      int4 scaled;
+      __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&scaled);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(__fmul_rn(w, __bfloat162float(d[i])));
+      dst[v] = scaled;
+    }
+  }
+}
+
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads)
+    stage_inputs_kernel(layout::WorkspacePointers ws, const void* d_out, const float* topk_weights,
+                        int64_t num_tokens) {
+  stage_inputs(ws, d_out, topk_weights, num_tokens);
+}
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads)
+    router_grad_kernel(layout::WorkspacePointers ws, const void* d_out, float* d_topk_weights,
+                       int64_t num_tokens) {
+  router_grad(ws, d_out, d_topk_weights, num_tokens);
+}
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads) pull_scaled_rows_kernel(layout::WorkspacePointers ws) {
+  pull_scaled_rows(ws);
+}
+
+}  // namespace pounce::reverse_combine
