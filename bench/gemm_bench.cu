@@ -30,11 +30,15 @@ constexpr int kIters = 10;
     }                                                                           \
   } while (0)
 
+// Which entry point: forward store / gate-up; backward activation (d_a GEMM + act'), transposed-weight
+// d_x GEMM (K split over gate and up), weight gradient (n x k output per group, reduction over its rows).
+enum class Kind { kStore, kGateUp, kActivationBackward, kTransposed, kWeightGrad };
+
 struct Case {
   const char* name;
   std::vector<int32_t> rows_per_group;
-  int64_t n, k;
-  bool gate_up;
+  int64_t n, k;  // weight gradient: output [n, k] per group
+  Kind kind;
 };
 
 std::vector<int32_t> balanced(int groups, int rows) {
@@ -78,14 +82,16 @@ void run_case(const Case& c) {
   const int64_t rows = off.back();
   const int num_groups = static_cast<int>(c.rows_per_group.size());
   const size_t w_count = static_cast<size_t>(num_groups) * c.n * c.k;
-  const size_t a_count = static_cast<size_t>(rows) * c.k;
-  const size_t o_count = static_cast<size_t>(rows) * c.n;
+  // Weight gradient: A [rows, n], B [rows, k]; otherwise A [rows, k], C [rows, n].
+  const size_t a_count = static_cast<size_t>(rows) * (c.kind == Kind::kWeightGrad ? c.n : c.k);
+  const size_t o_count = static_cast<size_t>(rows) * std::max(c.n, c.k);
+  const bool gate_up = c.kind != Kind::kStore;  // every other kind reads a second operand or writes two
   uint16_t *a, *w0, *w1 = nullptr, *o0, *o1 = nullptr, *o2 = nullptr;
   int32_t* d_off;
   BENCH_CUDA(cudaMalloc(&a, a_count * 2));
   BENCH_CUDA(cudaMalloc(&w0, w_count * 2));
   BENCH_CUDA(cudaMalloc(&o0, o_count * 2));
-  if (c.gate_up) {
+  if (gate_up) {
     BENCH_CUDA(cudaMalloc(&w1, w_count * 2));
     BENCH_CUDA(cudaMalloc(&o1, o_count * 2));
     BENCH_CUDA(cudaMalloc(&o2, o_count * 2));
@@ -99,10 +105,24 @@ void run_case(const Case& c) {
   const pounce::kernels::GroupedRows grouped{rows, d_off, num_groups};
   const pounce::kernels::ActivationParams act{pounce::kernels::kActivationSwiGLU, 7.0f, 1.0f};
   auto launch = [&] {
-    if (c.gate_up) {
-      pounce::kernels::grouped_gate_up(grouped, a, w0, w1, o0, o1, o2, c.n, c.k, act, nullptr);
-    } else {
-      pounce::kernels::grouped_gemm(grouped, a, w0, o0, c.n, c.k, nullptr);
+    switch (c.kind) {
+      case Kind::kGateUp:
+        pounce::kernels::grouped_gate_up(grouped, a, w0, w1, o0, o1, o2, c.n, c.k, act, nullptr);
+        break;
+      case Kind::kStore:
+        pounce::kernels::grouped_gemm(grouped, a, w0, o0, c.n, c.k, nullptr);
+        break;
+      case Kind::kActivationBackward:  // w0 as [groups, k, n]; o1, o2 hold g and u
+        pounce::kernels::grouped_activation_backward(grouped, a, w0, o1, o2, o0, o0, c.n, c.n, c.k, act,
+                                                     nullptr);
+        break;
+      case Kind::kTransposed:  // K = 2 x half, gate rows then up rows
+        pounce::kernels::grouped_gemm_transposed(grouped, a, w0, w1, c.k / 2, o0, c.n, c.k, nullptr);
+        break;
+      case Kind::kWeightGrad:  // d[g] [n, k] bf16 = A^T B over the group's rows; w0 is the output
+        pounce::kernels::grouped_weight_grad(grouped, a, c.n, c.n, o1, c.k, c.k, w0,
+                                             pounce::kernels::WeightGradMode::kStoreBf16, nullptr);
+        break;
     }
   };
   cudaEvent_t start, stop;
@@ -119,7 +139,7 @@ void run_case(const Case& c) {
   }
   std::sort(ms.begin(), ms.end());
   const double median_ms = ms[kIters / 2];
-  const double flops = 2.0 * rows * c.n * c.k * (c.gate_up ? 2 : 1);
+  const double flops = 2.0 * rows * c.n * c.k * (c.kind == Kind::kGateUp ? 2 : 1);
   const int32_t err = pounce::kernels::grouped_gemm_error_code(true);
   std::printf("| %-28s | %4d | %7lld | %5lld | %5lld | %8.3f | %6.1f | %s |\n", c.name, num_groups,
               static_cast<long long>(rows), static_cast<long long>(c.n), static_cast<long long>(c.k),
@@ -138,15 +158,27 @@ void run_case(const Case& c) {
 int main(int argc, char** argv) {
   const std::string filter = argc > 1 ? argv[1] : "";
   const std::vector<Case> cases = {
-      {"deepseek-v3 gate_up", balanced(128, 1024), 2048, 7168, true},
-      {"deepseek-v3 down", balanced(128, 1024), 7168, 2048, false},
-      {"deepseek-v3 down skewed", skewed(128), 7168, 2048, false},
-      {"deepseek-v3 shared gate_up", balanced(1, 8192), 2048, 7168, true},
-      {"deepseek-v3 shared down", balanced(1, 8192), 7168, 2048, false},
-      {"qwen3-30b-a3b gate_up", balanced(64, 1024), 768, 2048, true},
-      {"qwen3-30b-a3b down", balanced(64, 1024), 2048, 768, false},
-      {"gpt-oss-120b gate_up", balanced(64, 512), 2880, 2880, true},
-      {"gpt-oss-120b down", balanced(64, 512), 2880, 2880, false},
+      {"deepseek-v3 gate_up", balanced(128, 1024), 2048, 7168, Kind::kGateUp},
+      {"deepseek-v3 down", balanced(128, 1024), 7168, 2048, Kind::kStore},
+      {"deepseek-v3 down skewed", skewed(128), 7168, 2048, Kind::kStore},
+      {"deepseek-v3 shared gate_up", balanced(1, 8192), 2048, 7168, Kind::kGateUp},
+      {"deepseek-v3 shared down", balanced(1, 8192), 7168, 2048, Kind::kStore},
+      {"qwen3-30b-a3b gate_up", balanced(64, 1024), 768, 2048, Kind::kGateUp},
+      {"qwen3-30b-a3b down", balanced(64, 1024), 2048, 768, Kind::kStore},
+      {"gpt-oss-120b gate_up", balanced(64, 512), 2880, 2880, Kind::kGateUp},
+      {"gpt-oss-120b down", balanced(64, 512), 2880, 2880, Kind::kStore},
+      // backward: d_a (n = I, k = H), d_x (n = H, k = 2I), weight gradients (down [H, I], gate [I, H])
+      {"qwen3-30b-a3b bwd act", balanced(64, 1024), 768, 2048, Kind::kActivationBackward},
+      {"qwen3-30b-a3b bwd d_x", balanced(64, 1024), 2048, 1536, Kind::kTransposed},
+      {"qwen3-30b-a3b wgrad down", balanced(64, 1024), 2048, 768, Kind::kWeightGrad},
+      {"qwen3-30b-a3b wgrad gate", balanced(64, 1024), 768, 2048, Kind::kWeightGrad},
+      {"deepseek-v3 bwd act", balanced(128, 1024), 2048, 7168, Kind::kActivationBackward},
+      {"deepseek-v3 bwd d_x", balanced(128, 1024), 7168, 4096, Kind::kTransposed},
+      {"deepseek-v3 wgrad down", balanced(128, 1024), 7168, 2048, Kind::kWeightGrad},
+      {"deepseek-v3 wgrad gate", balanced(128, 1024), 2048, 7168, Kind::kWeightGrad},
+      {"gpt-oss-120b bwd act", balanced(64, 512), 2880, 2880, Kind::kActivationBackward},
+      {"gpt-oss-120b bwd d_x", balanced(64, 512), 2880, 5760, Kind::kTransposed},
+      {"gpt-oss-120b wgrad down", balanced(64, 512), 2880, 2880, Kind::kWeightGrad},
   };
   cudaDeviceProp prop{};
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));

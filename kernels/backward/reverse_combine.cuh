@@ -6,8 +6,9 @@
 //                    into this rank's slot (t, j); 0 for an unused slot. fp32 products and sums, no division
 //                    by the weight, so a zero weight still gets its true gradient. One warp per (t, j): each
 //                    lane sums its columns in ascending order, then a fixed xor tree (deterministic).
-//   pull_scaled    : dy_rows[row] = bf16(w * d_out_src[t]) for every schedule row, w = topk_weights_src[t, j]
-//                    pulled with the row; padding rows get zeros (their GEMM rows and wgrad terms vanish).
+//   pull_scaled    : dy_rows[row] = bf16(w * d_out_src[t]) for every schedule row of local experts
+//                    [expert_begin, expert_end), w = topk_weights_src[t, j] pulled with the row; padding rows
+//                    get zeros (their GEMM rows and wgrad terms vanish).
 // No flags inside: the backward inputs barrier orders the staged rows before the pulls, exactly as the
 // routing barrier does for the forward dispatch.
 #pragma once
@@ -71,12 +72,14 @@ __device__ __forceinline__ void router_grad(const layout::WorkspacePointers& ws,
   }
 }
 
-__device__ __forceinline__ void pull_scaled_rows(const layout::WorkspacePointers& ws) {
-  const int64_t num_rows = ws.group_row_offset[ws.num_local_experts];
+__device__ __forceinline__ void pull_scaled_rows(const layout::WorkspacePointers& ws, int expert_begin,
+                                                 int expert_end) {
+  const int64_t first_row = ws.group_row_offset[expert_begin], end_row = ws.group_row_offset[expert_end];
   const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
   int4* dy_rows = static_cast<int4*>(ws.dy_rows);
   const int lane = static_cast<int>(threadIdx.x % 32);
-  for (int64_t row = dispatch::global_warp(); row < num_rows; row += dispatch::num_global_warps()) {
+  for (int64_t row = first_row + dispatch::global_warp(); row < end_row;
+       row += dispatch::num_global_warps()) {
     const layout::ScheduleEntry entry = ws.schedule[row];
     int4* dst = dy_rows + row * row_vectors;
     if (entry.src_rank < 0) {
@@ -112,8 +115,9 @@ __global__ void __launch_bounds__(kNumThreads)
   router_grad(ws, d_out, d_topk_weights, num_tokens);
 }
 template <int kNumThreads>
-__global__ void __launch_bounds__(kNumThreads) pull_scaled_rows_kernel(layout::WorkspacePointers ws) {
-  pull_scaled_rows(ws);
+__global__ void __launch_bounds__(kNumThreads)
+    pull_scaled_rows_kernel(layout::WorkspacePointers ws, int expert_begin, int expert_end) {
+  pull_scaled_rows(ws, expert_begin, expert_end);
 }
 
 }  // namespace pounce::reverse_combine

@@ -20,13 +20,15 @@
 namespace pounce::combine {
 
 // `rows` [rows_capacity][H] expert-grouped; `sym_slots` the offset of a [max_tokens][k][H] slot region
-// (forward: y_rows into sym_y_slots; backward's reverse-dispatch: dx_rows into sym_dx_slots).
+// (forward: y_rows into sym_y_slots; backward's reverse-dispatch: dx_rows into sym_dx_slots). Rows of
+// local experts [expert_begin, expert_end) only (a pipeline chunk).
 __device__ __forceinline__ void push_rows(const layout::WorkspacePointers& ws, const void* rows,
-                                          int64_t sym_slots) {
-  const int64_t num_rows = ws.group_row_offset[ws.num_local_experts];
+                                          int64_t sym_slots, int expert_begin, int expert_end) {
+  const int64_t first_row = ws.group_row_offset[expert_begin], end_row = ws.group_row_offset[expert_end];
   const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
   const int4* y_rows = static_cast<const int4*>(rows);
-  for (int64_t row = dispatch::global_warp(); row < num_rows; row += dispatch::num_global_warps()) {
+  for (int64_t row = first_row + dispatch::global_warp(); row < end_row;
+       row += dispatch::num_global_warps()) {
     const layout::ScheduleEntry entry = ws.schedule[row];
     if (entry.src_rank < 0) continue;
     int4* dst = ws.peer<int4>(entry.src_rank, sym_slots) +
@@ -79,8 +81,9 @@ __device__ __forceinline__ void weighted_sum(const layout::WorkspacePointers& ws
 
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads)
-    combine_push_kernel(layout::WorkspacePointers ws, const void* rows, int64_t sym_slots) {
-  push_rows(ws, rows, sym_slots);
+    combine_push_kernel(layout::WorkspacePointers ws, const void* rows, int64_t sym_slots, int expert_begin,
+                        int expert_end) {
+  push_rows(ws, rows, sym_slots, expert_begin, expert_end);
 }
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads)

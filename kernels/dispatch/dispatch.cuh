@@ -2,8 +2,8 @@
 //
 //   stage_x : sym_x[t] = x[t] for t < T, 0 for T <= t < round_up(T, 128); shared_row_offset = {0, that}
 //             (the shared expert's GEMMs run on sym_x as one group of round_up(T, 128) rows)
-//   pull    : x_rows[row] = peer(src_rank).sym_x[src_token]   for every schedule row below
-//             group_row_offset[El]; padding rows get zeros, so g = u = act = y = 0 there.
+//   pull    : x_rows[row] = peer(src_rank).sym_x[src_token]   for every schedule row of local experts
+//             [expert_begin, expert_end) (a pipeline chunk); padding rows get zeros, so g = u = act = y = 0.
 // One warp per row, 16-byte loads and stores; hidden * 2 bytes must be a multiple of 16 (H % 8 == 0).
 // Waits on nothing inside: the routing barrier precedes it in stream order, and a pull needs no flag
 // because the puller's own load completes when the data has arrived. Mirrors step 1 of reference::forward.
@@ -57,11 +57,12 @@ __device__ __forceinline__ void stage_x(const layout::WorkspacePointers& ws, con
   }
 }
 
-__device__ __forceinline__ void pull_rows(const layout::WorkspacePointers& ws) {
-  const int64_t num_rows = ws.group_row_offset[ws.num_local_experts];
+__device__ __forceinline__ void pull_rows(const layout::WorkspacePointers& ws, int expert_begin,
+                                          int expert_end) {
+  const int64_t first_row = ws.group_row_offset[expert_begin], end_row = ws.group_row_offset[expert_end];
   const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
   int4* x_rows = static_cast<int4*>(ws.x_rows);
-  for (int64_t row = global_warp(); row < num_rows; row += num_global_warps()) {
+  for (int64_t row = first_row + global_warp(); row < end_row; row += num_global_warps()) {
     const layout::ScheduleEntry entry = ws.schedule[row];
     if (entry.src_rank < 0) {
       warp_zero_16b(x_rows + row * row_vectors, row_vectors);
@@ -78,8 +79,9 @@ __global__ void __launch_bounds__(kNumThreads)
   stage_x(ws, x, num_tokens);
 }
 template <int kNumThreads>
-__global__ void __launch_bounds__(kNumThreads) dispatch_pull_kernel(layout::WorkspacePointers ws) {
-  pull_rows(ws);
+__global__ void __launch_bounds__(kNumThreads)
+    dispatch_pull_kernel(layout::WorkspacePointers ws, int expert_begin, int expert_end) {
+  pull_rows(ws, expert_begin, expert_end);
 }
 
 }  // namespace pounce::dispatch

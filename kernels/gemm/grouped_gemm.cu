@@ -146,10 +146,11 @@ CUtensorMap transposed_activation_map(const GroupedRows& rows, const void* a, in
 
 template <KernelKind kKind>
 void launch(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b0, const CUtensorMap& tmap_b1,
-            gemm::GroupedGemmArgs args, int64_t max_tiles, cudaStream_t stream) {
+            gemm::GroupedGemmArgs args, int64_t max_tiles, int max_ctas, cudaStream_t stream) {
   const DeviceInfo& info = device_info();
   args.error_flag = info.error_flag;
-  const int grid = static_cast<int>(std::min<int64_t>(info.num_sms, max_tiles));
+  const int ctas = max_ctas > 0 ? std::min(max_ctas, info.num_sms) : info.num_sms;
+  const int grid = static_cast<int>(std::min<int64_t>(ctas, max_tiles));
   gemm::grouped_gemm_kernel<kKind>
       <<<grid, GemmConfig::kNumThreads, gemm::kSharedBytes, stream>>>(tmap_a, tmap_b0, tmap_b1, args);
   POUNCE_GEMM_CUDA_CHECK(cudaGetLastError());
@@ -186,7 +187,7 @@ void grouped_gemm(const GroupedRows& rows, const void* a, const void* b, void* c
   gemm::GroupedGemmArgs args = base_args(rows, n, k);
   args.out0 = static_cast<__nv_bfloat16*>(c);
   launch<KernelKind::kForwardStore>(tmap_a, tmap_b, tmap_b, args, row_tiles(rows, n, GemmConfig::BLOCK_N),
-                                    stream);
+                                    rows.max_ctas, stream);
 }
 
 void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate, const void* w_up, void* g,
@@ -212,7 +213,7 @@ void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate,
   args.out2 = static_cast<__nv_bfloat16*>(act);
   args.activation = activation;
   launch<KernelKind::kForwardGateUp>(tmap_a, tmap_gate, tmap_up, args,
-                                     row_tiles(rows, n, GemmConfig::BLOCK_N / 2), stream);
+                                     row_tiles(rows, n, GemmConfig::BLOCK_N / 2), rows.max_ctas, stream);
 }
 
 void grouped_activation_backward(const GroupedRows& rows, const void* a, const void* w, const void* g,
@@ -236,7 +237,7 @@ void grouped_activation_backward(const GroupedRows& rows, const void* a, const v
   args.in1 = static_cast<const __nv_bfloat16*>(u);
   args.activation = activation;
   launch<KernelKind::kDataGradActivation>(tmap_a, tmap_w, tmap_w, args,
-                                          row_tiles(rows, n, GemmConfig::BLOCK_N), stream);
+                                          row_tiles(rows, n, GemmConfig::BLOCK_N), rows.max_ctas, stream);
 }
 
 void grouped_gemm_transposed(const GroupedRows& rows, const void* a, const void* b0, const void* b1,
@@ -256,7 +257,7 @@ void grouped_gemm_transposed(const GroupedRows& rows, const void* a, const void*
   args.k_split = static_cast<int32_t>(k_split);
   args.out0 = static_cast<__nv_bfloat16*>(c);
   launch<KernelKind::kDataGrad>(tmap_a, tmap_b0, tmap_b1, args, row_tiles(rows, n, GemmConfig::BLOCK_N),
-                                stream);
+                                rows.max_ctas, stream);
 }
 
 void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, int64_t m, const void* b,
@@ -286,7 +287,7 @@ void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, i
   args.weight_grad_mode = mode;
   const int64_t tiles = rows.num_groups * ((m + GemmConfig::BLOCK_M - 1) / GemmConfig::BLOCK_M) *
                         ((n + GemmConfig::BLOCK_N - 1) / GemmConfig::BLOCK_N);
-  launch<KernelKind::kWeightGrad>(tmap_a, tmap_b, tmap_b, args, tiles, stream);
+  launch<KernelKind::kWeightGrad>(tmap_a, tmap_b, tmap_b, args, tiles, rows.max_ctas, stream);
 }
 
 int32_t grouped_gemm_error_code(bool reset) {

@@ -22,9 +22,11 @@ namespace pounce::kernels {
 // Expert-grouped activation rows, device memory.
 struct GroupedRows {
   int64_t max_rows = 0;  // capacity in rows (multiple of 128); tensor maps are built over it
-  // Device [num_groups + 1]: [0] = 0, non-decreasing multiples of 128. Read only on the device.
+  // Device [num_groups + 1]: non-decreasing multiples of 128 ([0] > 0 for a slice of a larger grouping).
+  // Read only on the device.
   const int32_t* group_row_offset = nullptr;
   int num_groups = 0;
+  int max_ctas = 0;  // persistent grid cap (leave SMs to concurrent communication kernels); 0 = every SM
 };
 
 struct ActivationParams {

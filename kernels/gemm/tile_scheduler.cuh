@@ -19,7 +19,8 @@ struct Tile {
 template <int BLOCK_M, int kMChunk>
 class TileScheduler {
  public:
-  // group_row_offset is read with plain loads: it was written by an earlier kernel in stream order.
+  // group_row_offset[0] may exceed 0 (a slice of the groups). It is read with plain loads: it was written by
+  // an earlier kernel in stream order.
   __device__ TileScheduler(const int32_t* group_row_offset, int num_groups, int32_t max_m_blocks,
                            int32_t num_n_blocks)
       : offsets_(group_row_offset),
@@ -27,9 +28,12 @@ class TileScheduler {
         max_m_blocks_(max_m_blocks),
         num_n_blocks_(num_n_blocks),
         tile_idx_(static_cast<int32_t>(blockIdx.x)) {
+    // Tiles are numbered from global row block 0, so a launch over a slice of the groups (a pipeline
+    // chunk whose offsets start above 0) starts counting at its first row block.
     num_tiles_ = (offsets_[num_groups_] / BLOCK_M) * num_n_blocks_;
     begin_m_ = offsets_[0] / BLOCK_M;
     end_m_ = offsets_[1] / BLOCK_M;
+    tile_idx_ += begin_m_ * num_n_blocks_;
   }
 
   // True when the rows claimed by group_row_offset exceed the capacity (those tiles are skipped).

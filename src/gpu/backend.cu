@@ -291,6 +291,8 @@ void destroy_workspace(GpuWorkspace* workspace) {
     if (workspace->local != nullptr) cudaFree(workspace->local);
     if (workspace->error_host != nullptr) cudaFreeHost(workspace->error_host);
     if (workspace->side_stream != nullptr) cudaStreamDestroy(workspace->side_stream);
+    if (workspace->comm_stream != nullptr) cudaStreamDestroy(workspace->comm_stream);
+    for (cudaEvent_t event : workspace->events) cudaEventDestroy(event);
   }
   delete workspace;
 }
@@ -339,6 +341,9 @@ GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup> group, int rank, cons
   ws.timeout_ns = peer_timeout_ns();
   POUNCE_CUDA(cudaDeviceGetAttribute(&ws.num_sms, cudaDevAttrMultiProcessorCount, ws.device));
   POUNCE_CUDA(cudaStreamCreateWithFlags(&ws.side_stream, cudaStreamNonBlocking));
+  POUNCE_CUDA(cudaStreamCreateWithFlags(&ws.comm_stream, cudaStreamNonBlocking));
+  ws.events.resize(kOverlapEvents);
+  for (cudaEvent_t& event : ws.events) POUNCE_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
   POUNCE_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&ws.error_host), sizeof(layout::DeviceErrorRecord),
                             cudaHostAllocMapped));
   std::memset(ws.error_host, 0, sizeof(layout::DeviceErrorRecord));

@@ -57,6 +57,9 @@ struct GpuGroup {
   const ncclDevComm* dev_comm() const;
 };
 
+// Events per workspace for the overlap's fork/join edges: 2 per chunk and pass, plus the forks and joins.
+inline constexpr int kOverlapEvents = 64;
+
 struct GpuWorkspace {
   std::shared_ptr<GpuGroup> group;
   int rank = 0;
@@ -71,6 +74,10 @@ struct GpuWorkspace {
   layout::DeviceErrorRecord* error_host = nullptr;  // cudaHostAlloc(mapped)
   layout::DeviceErrorRecord* error_device = nullptr;
   cudaStream_t side_stream = nullptr;  // clears the error claim flag; never captured
+  // Overlap of the staged passes (src/gpu/overlap.h): transfers run on comm_stream, forked from and joined
+  // back into the caller's stream with these events (captured into CUDA graphs as fork/join edges).
+  cudaStream_t comm_stream = nullptr;
+  std::vector<cudaEvent_t> events;
   uint64_t timeout_ns = 0;
 
   layout::WorkspacePointers pointers() const;
@@ -80,6 +87,8 @@ struct GpuWorkspace {
 // and a phase barrier over the group (nothing for one rank; at most kBarrierThreads ranks).
 inline constexpr int kBarrierThreads = 128;
 kernels::ActivationParams activation_params(const Activation& activation);
+// Routed weights [El, a, b] from local expert `first_expert` on.
+const void* expert_slice(const TensorView& weights, int64_t first_expert);
 void launch_barrier(const layout::WorkspacePointers& p, layout::WaitId which, cudaStream_t stream);
 
 // Launches the staged forward on `stream` (src/gpu/staged_forward.cu). `write_out` = false rebuilds the

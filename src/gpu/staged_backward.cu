@@ -4,10 +4,11 @@
 // chain is capturable in a CUDA graph together with the forward.
 //
 //   token side   stage d_out, topk_weights -> router gradient <d_out, y> from the forward's slots -> barrier
-//   expert side  reverse-combine pull dy = bf16(w d_out) -> d_a GEMM (w_down read transposed) with the
-//                activation backward in its epilogue -> d_x GEMM over [d_g, d_u] . [w_gate; w_up] ->
-//                reverse-dispatch push into the owners' (token, slot) -> weight gradients per expert
-//   shared       the same MLP backward on the rank's own rows with dy = d_out, and its weight gradients
+//   shared       the MLP backward on the rank's own rows with dy = d_out, and its weight gradients
+//   expert side  per chunk of local experts: reverse-combine pull dy = bf16(w d_out) [comm stream] ->
+//                d_a GEMM (w_down read transposed) with the activation backward in its epilogue -> d_x GEMM
+//                over [d_g, d_u] . [w_gate; w_up] -> reverse-dispatch push into the owners' (token, slot)
+//                [comm stream]; then the weight gradients of every expert
 //   token side   barrier -> d_x[t] = bf16(d_xs[t] + sum_j d_x[t, j]) in ascending j
 //
 // Weight gradients reduce over each expert's whole row segment in one CTA per output tile, ascending rows
@@ -19,6 +20,7 @@
 #include "kernels/combine/combine.cuh"
 #include "kernels/gemm/grouped_gemm.h"
 #include "src/gpu/gpu_state.h"
+#include "src/gpu/overlap.h"
 
 namespace pounce::gpu {
 namespace {
@@ -44,14 +46,18 @@ struct MlpBackward {
   const ExpertWeights* grads;
 };
 
-void launch_mlp_data_grads(const MlpBackward& m, int64_t H, const kernels::ActivationParams& activation,
-                           cudaStream_t stream) {
+// Data gradients of groups [first_group, first_group + num_groups) of m (a pipeline chunk).
+void launch_mlp_data_grads(const MlpBackward& m, int first_group, int num_groups, int64_t H,
+                           const kernels::ActivationParams& activation, cudaStream_t stream) {
   const int64_t I = m.intermediate;
+  kernels::GroupedRows rows = m.rows;
+  rows.group_row_offset += first_group;
+  rows.num_groups = num_groups;
   void* d_u = static_cast<char*>(m.d_gu) + I * 2;
-  kernels::grouped_activation_backward(m.rows, m.dy, m.weights->down.data, m.g, m.u, m.d_gu, d_u, 2 * I, I, H,
-                                       activation, stream);
-  kernels::grouped_gemm_transposed(m.rows, m.d_gu, m.weights->gate.data, m.weights->up.data, I, m.dx, H,
-                                   2 * I, stream);
+  kernels::grouped_activation_backward(rows, m.dy, expert_slice(m.weights->down, first_group), m.g, m.u,
+                                       m.d_gu, d_u, 2 * I, I, H, activation, stream);
+  kernels::grouped_gemm_transposed(rows, m.d_gu, expert_slice(m.weights->gate, first_group),
+                                   expert_slice(m.weights->up, first_group), I, m.dx, H, 2 * I, stream);
 }
 
 void launch_mlp_weight_grads(const MlpBackward& m, int64_t H, bool accumulate, cudaStream_t stream) {
@@ -63,6 +69,15 @@ void launch_mlp_weight_grads(const MlpBackward& m, int64_t H, bool accumulate, c
                                weight_grad_mode(m.grads->gate, accumulate), stream);
   kernels::grouped_weight_grad(m.rows, d_u, 2 * I, I, m.x, H, H, m.grads->up.data,
                                weight_grad_mode(m.grads->up, accumulate), stream);
+}
+
+// The shared expert's [1, Is, H] / [1, H, Is] view of its 2-D weights, so expert_slice applies.
+ExpertWeights as_one_expert(const ExpertWeights& w) {
+  ExpertWeights one = w;
+  for (TensorView* t : {&one.gate, &one.up, &one.down}) {
+    if (t->shape.size() == 2) t->shape.insert(t->shape.begin(), 1);
+  }
+  return one;
 }
 
 }  // namespace
@@ -83,7 +98,7 @@ void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, c
   const int copy_grid = workspace.num_sms * 4;
 
   // 1. Token side: stage d_out and the router weights for the owners' pulls; router gradient from the
-  //    forward's slots (before any peer could reuse them); barrier.
+  //    forward's slots; barrier.
   reverse_combine::stage_inputs_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(
       p, args.d_out.data, in.topk_weights.as<const float>(), num_tokens);
   if (num_tokens > 0) {
@@ -93,9 +108,38 @@ void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, c
   launch_barrier(p, layout::WaitId::kBackwardInputsBarrier, stream);
   POUNCE_CUDA(cudaGetLastError());
 
-  // 2. Routed experts: reverse-combine pull, data gradients, reverse-dispatch push.
-  reverse_combine::pull_scaled_rows_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(p);
-  const MlpBackward routed{{p.rows_capacity, p.group_row_offset, p.num_local_experts},
+  // 2-4 overlapped (src/gpu/overlap.h): the comm stream pulls chunk c's scaled d_out rows while earlier
+  // chunks compute, and pushes chunk c's d_x rows while later chunks compute; the shared expert covers the
+  // first pull and the routed weight gradients cover the last push.
+  Overlap overlap(workspace, stream, workspace.config.backward_comm_sms);
+  cudaStream_t comm = overlap.comm();
+  overlap.comm_after_main();
+  cudaEvent_t pulled[kMaxChunks];
+  for (int c = 0; c < overlap.num_chunks(); ++c) {
+    reverse_combine::pull_scaled_rows_kernel<kCommThreads><<<overlap.comm_sms(), kCommThreads, 0, comm>>>(
+        p, overlap.chunk_begin(c), overlap.chunk_begin(c + 1));
+    pulled[c] = overlap.mark(comm);
+  }
+  POUNCE_CUDA(cudaGetLastError());
+
+  // Shared expert on this rank's own rows (sym_x and sym_d_out, T padded to 128 with zero rows).
+  const ExpertWeights shared_weights = as_one_expert(in.shared);
+  const MlpBackward shared{{p.token_capacity, p.shared_row_offset, 1, overlap.gemm_ctas()},
+                           Is,
+                           p.local_sym<const void>(p.sym_x),
+                           p.local_sym<const void>(p.sym_d_out),
+                           p.shared_g,
+                           p.shared_u,
+                           p.shared_act,
+                           p.shared_d_gu,
+                           p.shared_dx,
+                           &shared_weights,
+                           &args.d_shared};
+  if (Is > 0 && num_tokens > 0) launch_mlp_data_grads(shared, 0, 1, H, activation, stream);
+  if (Is > 0) launch_mlp_weight_grads(shared, H, args.accumulate_weight_grads, stream);
+
+  // Routed experts, chunk by chunk: data gradients, then the reverse-dispatch push on the comm stream.
+  const MlpBackward routed{{p.rows_capacity, p.group_row_offset, p.num_local_experts, overlap.gemm_ctas()},
                            I,
                            p.x_rows,
                            p.dy_rows,
@@ -106,28 +150,18 @@ void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, c
                            p.dx_rows,
                            &in.routed,
                            &args.d_routed};
-  launch_mlp_data_grads(routed, H, activation, stream);
-  combine::combine_push_kernel<kCopyThreads>
-      <<<copy_grid, kCopyThreads, 0, stream>>>(p, p.dx_rows, p.sym_dx_slots);
+  for (int c = 0; c < overlap.num_chunks(); ++c) {
+    const int e0 = overlap.chunk_begin(c), e1 = overlap.chunk_begin(c + 1);
+    overlap.wait(stream, pulled[c]);
+    launch_mlp_data_grads(routed, e0, e1 - e0, H, activation, stream);
+    overlap.comm_after_main();
+    combine::combine_push_kernel<kCommThreads>
+        <<<overlap.comm_sms(), kCommThreads, 0, comm>>>(p, p.dx_rows, p.sym_dx_slots, e0, e1);
+  }
   POUNCE_CUDA(cudaGetLastError());
-
-  // 3. Shared expert on this rank's own rows (sym_x and sym_d_out, T padded to 128 with zero rows).
-  const MlpBackward shared{{p.token_capacity, p.shared_row_offset, 1},
-                           Is,
-                           p.local_sym<const void>(p.sym_x),
-                           p.local_sym<const void>(p.sym_d_out),
-                           p.shared_g,
-                           p.shared_u,
-                           p.shared_act,
-                           p.shared_d_gu,
-                           p.shared_dx,
-                           &in.shared,
-                           &args.d_shared};
-  if (Is > 0 && num_tokens > 0) launch_mlp_data_grads(shared, H, activation, stream);
-
-  // 4. Weight gradients while the peers finish their pushes (experts without rows get zeros).
+  // Weight gradients over every expert's whole segment (experts without rows get zeros).
   launch_mlp_weight_grads(routed, H, args.accumulate_weight_grads, stream);
-  if (Is > 0) launch_mlp_weight_grads(shared, H, args.accumulate_weight_grads, stream);
+  overlap.main_after_comm();
 
   // 5. Token side: every d_x pair has arrived after the barrier; fixed-order sum.
   launch_barrier(p, layout::WaitId::kBackwardCombineBarrier, stream);

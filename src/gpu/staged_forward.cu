@@ -3,11 +3,13 @@
 // the host (every kernel reads group_row_offset on the device), so the whole chain is capturable in a CUDA
 // graph and replays with new routing written into the same input buffers.
 //
-//   stage x -> routing exchange -> barrier -> schedule (count, scan, place) -> dispatch pull ->
-//   grouped gate/up (El groups) -> grouped down -> shared expert (1 group, own rows) ->
-//   combine push -> barrier -> weighted sum
+//   stage x -> routing exchange -> barrier -> schedule (count, scan, place) ->
+//   [comm stream]  dispatch pull per expert chunk ........ combine push per chunk
+//   [caller]       shared expert -> per chunk: grouped gate/up -> grouped down
+//   -> barrier -> weighted sum
 //
-// Cross-GPU ordering exists only at the two phase barriers (system-scope release/acquire, flags.cuh).
+// Cross-GPU ordering exists only at the two phase barriers (system-scope release/acquire, flags.cuh);
+// the two streams hand over through events (src/gpu/overlap.h).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -19,6 +21,7 @@
 #include "kernels/routing/routing_exchange.cuh"
 #include "kernels/routing/schedule.cuh"
 #include "src/gpu/gpu_state.h"
+#include "src/gpu/overlap.h"
 
 namespace pounce::gpu {
 namespace {
@@ -31,6 +34,11 @@ bool aligned_16(const void* pointer) {
 }
 
 }  // namespace
+
+const void* expert_slice(const TensorView& weights, int64_t first_expert) {
+  const int64_t per_expert = weights.shape[1] * weights.shape[2];
+  return static_cast<const char*>(weights.data) + first_expert * per_expert * 2;  // bf16
+}
 
 kernels::ActivationParams activation_params(const Activation& activation) {
   kernels::ActivationParams params;
@@ -79,27 +87,44 @@ void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cud
   routing::schedule_scan_kernel<kScanThreads><<<1, kScanThreads, 0, stream>>>(p);
   routing::schedule_place_kernel<routing::kScheduleThreads>
       <<<schedule_grid, routing::kScheduleThreads, schedule_smem, stream>>>(p);
-  // 4. Dispatch: pull token rows into expert-grouped rows.
-  dispatch::dispatch_pull_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(p);
   POUNCE_CUDA(cudaGetLastError());
 
-  // 5. Routed experts: rows per group come from group_row_offset on the device.
-  const kernels::GroupedRows routed{p.rows_capacity, p.group_row_offset, p.num_local_experts};
-  kernels::grouped_gate_up(routed, p.x_rows, args.routed.gate.data, args.routed.up.data, p.g_rows, p.u_rows,
-                           p.act_rows, I, H, activation, stream);
-  kernels::grouped_gemm(routed, p.act_rows, args.routed.down.data, p.y_rows, H, I, stream);
-  // 6. Shared expert on this rank's own rows (sym_x, T padded to 128 with zero rows).
-  if (Is > 0 && num_tokens > 0) {
-    const kernels::GroupedRows shared{p.token_capacity, p.shared_row_offset, 1};
+  // 4-7 overlapped (src/gpu/overlap.h): the comm stream pulls chunk c's rows while the GEMMs of chunk c - 1
+  // run, and pushes chunk c's outputs while chunk c + 1 computes. The shared expert needs no transfer, so
+  // it runs first and covers the first pull.
+  Overlap overlap(workspace, stream, workspace.config.forward_comm_sms);
+  cudaStream_t comm = overlap.comm();
+  overlap.comm_after_main();
+  cudaEvent_t pulled[kMaxChunks];
+  for (int c = 0; c < overlap.num_chunks(); ++c) {
+    dispatch::dispatch_pull_kernel<kCommThreads><<<overlap.comm_sms(), kCommThreads, 0, comm>>>(
+        p, overlap.chunk_begin(c), overlap.chunk_begin(c + 1));
+    pulled[c] = overlap.mark(comm);
+  }
+  POUNCE_CUDA(cudaGetLastError());
+  if (Is > 0 && num_tokens > 0) {  // own rows: sym_x, T padded to 128 with zero rows
+    const kernels::GroupedRows shared{p.token_capacity, p.shared_row_offset, 1, overlap.gemm_ctas()};
     const void* sym_x = p.local_sym<const void>(p.sym_x);
     kernels::grouped_gate_up(shared, sym_x, args.shared.gate.data, args.shared.up.data, p.shared_g,
                              p.shared_u, p.shared_act, Is, H, activation, stream);
     kernels::grouped_gemm(shared, p.shared_act, args.shared.down.data, p.shared_y, H, Is, stream);
   }
+  for (int c = 0; c < overlap.num_chunks(); ++c) {
+    const int e0 = overlap.chunk_begin(c), e1 = overlap.chunk_begin(c + 1);
+    overlap.wait(stream, pulled[c]);
+    const kernels::GroupedRows routed{p.rows_capacity, p.group_row_offset + e0, e1 - e0, overlap.gemm_ctas()};
+    kernels::grouped_gate_up(routed, p.x_rows, expert_slice(args.routed.gate, e0),
+                             expert_slice(args.routed.up, e0), p.g_rows, p.u_rows, p.act_rows, I, H,
+                             activation, stream);
+    kernels::grouped_gemm(routed, p.act_rows, expert_slice(args.routed.down, e0), p.y_rows, H, I, stream);
+    overlap.comm_after_main();
+    combine::combine_push_kernel<kCommThreads>
+        <<<overlap.comm_sms(), kCommThreads, 0, comm>>>(p, p.y_rows, p.sym_y_slots, e0, e1);
+  }
+  overlap.main_after_comm();
+  POUNCE_CUDA(cudaGetLastError());
 
-  // 7. Combine: push rows into the owners' slots; barrier; weighted sum over slots.
-  combine::combine_push_kernel<kCopyThreads>
-      <<<copy_grid, kCopyThreads, 0, stream>>>(p, p.y_rows, p.sym_y_slots);
+  // 8. Every output row has reached its owner after the barrier; weighted sum over slots.
   launch_barrier(p, layout::WaitId::kCombineBarrier, stream);
   if (write_out && num_tokens > 0) {
     combine::weighted_sum_kernel<kCopyThreads>
