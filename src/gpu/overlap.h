@@ -37,7 +37,8 @@ class Overlap {
 
   cudaStream_t comm() const { return workspace_.comm_stream; }
   int comm_sms() const { return comm_sms_; }
-  int gemm_ctas() const { return workspace_.num_sms - comm_sms_; }
+  // GEMMs leave the communication SMs free only when there is a later transfer to overlap with.
+  int gemm_ctas() const { return num_chunks_ > 1 ? workspace_.num_sms - comm_sms_ : workspace_.num_sms; }
   int num_chunks() const { return num_chunks_; }
   // Local experts [chunk_begin(c), chunk_begin(c + 1)) form chunk c.
   int chunk_begin(int c) const {
