@@ -401,6 +401,17 @@ def _time_iterations(prep, run, nsets, warmup, iters, group, device):
     return t.tolist()
 
 
+def rotation_sets(set_bytes, l2_bytes, min_sets=3, max_sets=256, max_bytes=2 << 30):
+    """Input sets to rotate, by the rule of ``pounce bench`` (tools/cli/bench.h): the fewest (at least
+    ``min_sets``) that together exceed twice the L2, so no iteration finds its inputs' previous use in
+    L2; at most ``max_sets`` and ``max_bytes`` in all, but never fewer than 2."""
+    if set_bytes <= 0:
+        return min_sets
+    enough = max(min_sets, 2 * l2_bytes // set_bytes + 1)
+    affordable = min(max_sets, max_bytes // set_bytes)
+    return max(2, min(enough, affordable))
+
+
 def bench_config(preset, cfg, T, passes, args, rank, R, group, device, meta):
     H, I, E, k = cfg["hidden"], cfg["intermediate"], cfg["experts"], cfg["topk"]
     Is, act, limit = cfg["shared_intermediate"], cfg["activation"], cfg["limit"]
@@ -416,7 +427,12 @@ def bench_config(preset, cfg, T, passes, args, rank, R, group, device, meta):
     w_gate, w_up, w_down = param(El, I, H, fan_in=H), param(El, I, H, fan_in=H), param(El, H, I, fan_in=I)
     shared = [param(Is, H, fan_in=H), param(Is, H, fan_in=H), param(H, Is, fan_in=Is)] if Is else []
     params = [w_gate, w_up, w_down] + shared
-    sets = [_make_inputs(T, H, E, k, args.seed + 1000 * rank + s + 1, device) for s in range(args.sets)]
+    nsets = args.sets
+    if nsets == 0:
+        # x and d_out [T,H] bf16, topk_idx [T,k] int64, topk_weights [T,k] fp32
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 60 << 20
+        nsets = rotation_sets(2 * T * H * 2 + T * k * (8 + 4), l2)
+    sets = [_make_inputs(T, H, E, k, args.seed + 1000 * rank + s + 1, device) for s in range(nsets)]
     sets = [(x.requires_grad_(), idx, w.requires_grad_(), d) for x, idx, w, d in sets]
 
     # useful work on this rank (pairs actually present), and rows that cross to another rank
@@ -446,10 +462,10 @@ def bench_config(preset, cfg, T, passes, args, rank, R, group, device, meta):
     records = []
     for pss in passes:
         if pss == "forward":
-            times = _time_iterations(zero_grads, run_fwd, args.sets, args.warmup, args.iters, group, device)
+            times = _time_iterations(zero_grads, run_fwd, nsets, args.warmup, args.iters, group, device)
             flops, a2a = flops_fwd, a2a_bytes_fwd
         elif pss == "forward_backward":
-            times = _time_iterations(zero_grads, run_fwd_bwd, args.sets, args.warmup, args.iters, group, device)
+            times = _time_iterations(zero_grads, run_fwd_bwd, nsets, args.warmup, args.iters, group, device)
             flops, a2a = 3 * flops_fwd, 2 * a2a_bytes_fwd
         else:
             raise ValueError(f"--passes: unknown pass {pss!r} (forward | forward_backward)")
@@ -460,7 +476,7 @@ def bench_config(preset, cfg, T, passes, args, rank, R, group, device, meta):
                    a2a_gbps=round(a2a / (med * 1e-3) / 1e9, 1),
                    hidden=H, intermediate=I, experts=E, topk=k, shared_intermediate=Is,
                    activation=act, limit=limit, fused_gate_up=bool(args.fused_gate_up),
-                   iters=args.iters, warmup=args.warmup, input_sets=args.sets, **meta)
+                   iters=args.iters, warmup=args.warmup, input_sets=nsets, **meta)
         records.append(rec)
         if rank == 0:
             print(f"  {preset:20s} T={T:6d} {pss:17s} median {med:9.3f} ms  {rec['tflops']:7.1f} TFLOP/s"
@@ -477,7 +493,9 @@ def _parse_args(argv=None):
     p.add_argument("--passes", default="forward,forward_backward", help="forward,forward_backward")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--sets", type=int, default=4, help="input sets rotated so L2 does not hold them (>= 3)")
+    p.add_argument("--sets", type=int, default=4,
+                   help="input sets rotated so L2 does not hold them (>= 3; 0 = enough to exceed twice "
+                        "the L2, as pounce bench chooses)")
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--json", default=None, help="write the records (a JSON list) here")
     p.add_argument("--check", action="store_true", help="correctness self-check against an fp32 reference")
@@ -492,8 +510,8 @@ def _parse_args(argv=None):
     p.add_argument("--activation", choices=["swiglu", "gptoss"], default="swiglu")
     p.add_argument("--limit", type=float, default=None)
     args = p.parse_args(argv)
-    if args.sets < 3:
-        p.error("--sets must be >= 3")
+    if args.sets != 0 and args.sets < 3:
+        p.error("--sets must be >= 3, or 0 for as many as exceed twice the L2")
     return args
 
 
@@ -551,7 +569,8 @@ def main(argv=None):
         if rank == 0:
             print(f"baseline: {R} x {meta['gpu']}, torch {torch.__version__}, CUDA {meta['cuda']}, "
                   f"NCCL {meta['nccl']}, driver {meta['driver']}; median of {args.iters} iterations "
-                  f"(per-iteration max over ranks), {args.sets} rotated input sets", flush=True)
+                  f"(per-iteration max over ranks), "
+                  f"{args.sets or 'enough (> 2 x L2)'} rotated input sets", flush=True)
         records = []
         for name in presets:
             cfg = _preset_config(name, args)

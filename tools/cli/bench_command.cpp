@@ -1,5 +1,6 @@
-// `pounce bench`: presets x tokens per rank on every visible GPU, timed through the public API, with the
-// PyTorch baseline (bench/baselines/torch_moe.py under torchrun) measured in the same run on the same GPUs.
+// `pounce bench`: presets x tokens per rank x impls on every visible GPU, timed through the public API by
+// the method of DESIGN.md §7 (tools/cli/bench.h), with the PyTorch baseline (bench/baselines/torch_moe.py
+// under torchrun) measured in the same run on the same GPUs, after ours so the two never share them.
 // Writes bench/results/<name>.json: a list of records with the keys of DESIGN.md §7.
 #include <unistd.h>
 
@@ -8,23 +9,25 @@
 #include <fstream>
 #include <iostream>
 #include <map>
-#include <tuple>
 
 #include "pounce/error.h"
 #include "pounce/version.h"
 #include "src/gpu_backend.h"
+#include "tools/cli/bench.h"
 #include "tools/cli/commands.h"
 #include "tools/cli/inputs.h"
-#include "tools/cli/parallel.h"
 #include "tools/cli/progress.h"
 #include "tools/cli/report.h"
-#include "tools/cli/runner.h"
+#include "tools/cli/run_setup.h"
+
+#ifdef POUNCE_HAS_CUDA
+#include <cuda_runtime.h>
+#endif
 
 namespace pounce::cli {
 namespace {
 
 using nlohmann::json;
-using BaselineKey = std::tuple<std::string, std::string, int64_t, int64_t>;  // preset, pass, ranks, tokens
 
 // The path of `program` if it is executable (as given when it has a '/', else searched on PATH).
 std::string find_executable(const std::string& program) {
@@ -41,32 +44,33 @@ std::string find_executable(const std::string& program) {
   return "";
 }
 
-std::string join(const std::vector<std::string>& parts) {
-  std::string out;
-  for (const std::string& part : parts) out += (out.empty() ? "" : ",") + part;
-  return out;
+// L2 bytes of GPU 0, or the H200's when no GPU answers.
+int64_t l2_bytes() {
+#ifdef POUNCE_HAS_CUDA
+  int bytes = 0;
+  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, 0) == cudaSuccess && bytes > 0) return bytes;
+#endif
+  return kAssumedL2Bytes;
 }
 
-std::string shell_quote(const std::string& text) {
-  std::string out = "'";
-  for (char c : text) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
+// NVLink SHARP / multicast stay off (DESIGN.md §3) in our NCCL and in the baseline's processes, unless the
+// caller chose otherwise; the baseline's records name our commit where the tree has no git metadata.
+void set_default_environment(const std::string& commit) {
+  setenv("NCCL_NVLS_ENABLE", "0", 0);
+  setenv("NVSHMEM_DISABLE_NVLS", "1", 0);
+  setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 0);
+  setenv("POUNCE_COMMIT", commit.c_str(), 0);
 }
 
-// Runs the baseline once for every preset and token count; returns its records (empty on failure, with
+// Runs the baseline once for every preset, token count and pass; returns its records (none on failure, with
 // a warning on stderr).
-json run_baseline(const BenchOptions& options, const std::string& torchrun, int num_ranks) {
+json run_baseline(BaselineRun run) {
   char path[] = "/tmp/pounce_baseline_XXXXXX";
   const int fd = mkstemp(path);
   POUNCE_CHECK(fd >= 0, "cannot create a temporary file for the baseline's records in /tmp");
   close(fd);
-  std::vector<std::string> tokens;
-  for (int64_t t : options.tokens) tokens.push_back(std::to_string(t));
-  const std::string command = shell_quote(torchrun) + " --nproc-per-node=" + std::to_string(num_ranks) + " " +
-                              shell_quote(options.baseline_script) + " --preset " +
-                              shell_quote(join(options.presets)) + " --tokens " + join(tokens) +
-                              " --passes forward,forward_backward --iters " + std::to_string(options.iters) +
-                              " --json " + path;
+  run.json_path = path;
+  const std::string command = baseline_command(run);
   std::cerr << "baseline: " << command << "\n" << std::flush;
   const int status = std::system(command.c_str());
   json records = json::array();
@@ -86,104 +90,147 @@ json run_baseline(const BenchOptions& options, const std::string& torchrun, int 
   return records;
 }
 
+// record[key] printed with `pattern`, or "-" when it is not a number.
+std::string number(const json& record, const char* key, const char* pattern) {
+  const auto found = record.find(key);
+  return found != record.end() && found->is_number() ? format(pattern, found->get<double>()) : "-";
+}
+
+void print_table(std::ostream& out, const json& records) {
+  int preset_width = 14;
+  for (const json& r : records) preset_width = std::max<int>(preset_width, r.value("preset", "").size());
+  out << format("%-8s %-17s %-*s %5s %6s %5s %10s %9s %8s\n", "impl", "pass", preset_width, "preset", "ranks",
+                "T/rank", "sets", "median ms", "TFLOP/s", "speedup");
+  std::map<std::string, int> errors;  // error -> records it stopped
+  for (const json& r : records) {
+    out << format("%-8s %-17s %-*s %5lld %6lld %5s %10s %9s %8s\n", r.value("impl", "").c_str(),
+                  r.value("pass", "").c_str(), preset_width, r.value("preset", "").c_str(),
+                  static_cast<long long>(r.value("ranks", int64_t{0})),
+                  static_cast<long long>(r.value("tokens_per_rank", int64_t{0})),
+                  number(r, "input_sets", "%.0f").c_str(), number(r, "median_ms", "%.3f").c_str(),
+                  number(r, "tflops", "%.1f").c_str(), number(r, "speedup_vs_baseline", "%.2fx").c_str());
+    if (r.contains("error")) ++errors[r["error"].get<std::string>()];
+  }
+  for (const auto& [error, count] : errors)
+    out << "not measured (" << count << " record" << (count > 1 ? "s" : "") << "): " << error << "\n";
+}
+
 }  // namespace
 
 int bench_command(const BenchOptions& options, const std::string& command_line) {
   const Machine machine = probe_machine();
-  if (!(machine.cuda_compiled && machine.num_gpus > 0)) {
+  const bool have_gpu = machine.cuda_compiled && machine.num_gpus > 0;
+  if (options.backend == "auto" && !have_gpu) {
     std::cerr << "pounce bench needs a GPU, and " << choose_backend("auto", machine).reason
-              << ".\nNothing to measure here; `pounce run` checks the layer on the CPU reference backend.\n";
+              << ".\nNothing to measure here; `pounce run` checks the layer on the CPU reference backend "
+              << "(`pounce bench --backend cpu` exercises this tool on it, with meaningless timings).\n";
     return 2;
   }
+  const Backend backend =
+      choose_backend(options.backend == "auto" ? "gpu" : options.backend, machine).backend;
+  const bool on_gpu = backend == Backend::kGpu;
+
+  // Everything that can be wrong with the options fails here, before any GPU work.
+  const std::vector<BenchPass> passes = parse_passes(options.passes);
+  POUNCE_CHECK(!options.impls.empty(), "--impl is empty; choose staged or fused");
   for (const std::string& impl : options.impls) {
-    POUNCE_CHECK(impl == "fused" || impl == "staged", "--impl ", impl, " is unknown; choose fused or staged");
-    POUNCE_CHECK(impl == "staged", "--impl fused: the GPU backend runs the staged path until the fused ",
-                 "kernel lands (issue #4); bench --impl staged");
+    Config config;
+    select_impl(impl, config);
   }
-  const int R = options.ranks > 0 ? options.ranks : machine.num_gpus;
-  POUNCE_CHECK(R <= machine.num_gpus, "--ranks ", R, " needs that many GPUs but ", machine.num_gpus,
-               " are visible");
+  std::vector<Preset> presets;
+  for (const std::string& name : options.presets) presets.push_back(bench_preset(name));
+  POUNCE_CHECK(!presets.empty() && !options.tokens.empty(), "--preset and --tokens must name at least one");
+  for (int64_t tokens : options.tokens) POUNCE_CHECK(tokens > 0, "--tokens ", tokens, " must be positive");
+  const int R = options.ranks > 0 ? options.ranks : (on_gpu ? machine.num_gpus : 2);
+  POUNCE_CHECK(!on_gpu || R <= machine.num_gpus, "--ranks ", R, " needs that many GPUs but ",
+               machine.num_gpus, " are visible");
   POUNCE_CHECK(options.iters >= 1 && options.warmup >= 0, "--iters must be >= 1 and --warmup >= 0");
+  POUNCE_CHECK(options.input_sets >= 0, "--input-sets must be >= 0 (0 = enough to exceed twice the L2)");
+
+  set_default_environment(build_info().commit);
   const GpuFacts facts = gpu_facts();
-  const std::string nccl =
+  RecordContext context;
+  context.gpu = on_gpu ? facts.name : "none (CPU reference backend; timings are not benchmarks)";
+  context.driver = facts.driver;
+  context.cuda = facts.cuda;
+  context.nccl =
       gpu::nccl_runtime_version().empty() ? build_info().nccl_version : gpu::nccl_runtime_version();
-  const std::string date = utc_now_iso();
+  context.commit = build_info().commit;
+  context.command = command_line;
+  context.date = utc_now_iso();
   std::string name = options.name;
   if (name.empty()) {
-    name = "pounce-" + date;
+    name = "pounce-" + context.date;
     for (char& c : name) c = c == ':' ? '-' : c;
   }
   const std::string out_path = options.out.empty() ? "bench/results/" + name + ".json" : options.out;
+  const int64_t l2 = on_gpu ? l2_bytes() : kAssumedL2Bytes;
+  const std::string rotation =
+      options.input_sets > 0
+          ? std::to_string(options.input_sets) + " input sets rotate"
+          : format("inputs rotate over enough sets to exceed 2 x %.0f MiB of L2 (within %d sets, %lld GiB)",
+                   static_cast<double>(l2) / (1 << 20), kMaxInputSets,
+                   static_cast<long long>(kMaxRotationBytes >> 30));
+  std::cout
+      << format("%d rank%s on %s; median of %d timed runs after %d warm-up, per run the slowest rank; %s\n",
+                R, R > 1 ? "s" : "", on_gpu ? facts.name.c_str() : "the CPU reference backend", options.iters,
+                options.warmup, rotation.c_str())
+      << std::flush;
 
   json records = json::array();
-  auto record = [&](const std::string& impl, const std::string& pass, const std::string& preset,
-                    int64_t tokens, double ms, double flops) {
-    records.push_back({{"impl", impl},
-                       {"pass", pass},
-                       {"preset", preset},
-                       {"ranks", R},
-                       {"tokens_per_rank", tokens},
-                       {"precision", "bf16"},
-                       {"median_ms", ms},
-                       {"tflops", tflops(flops, ms)},
-                       {"speedup_vs_baseline", nullptr},
-                       {"gpu", facts.name},
-                       {"driver", facts.driver},
-                       {"cuda", facts.cuda},
-                       {"nccl", nccl},
-                       {"commit", build_info().commit},
-                       {"command", command_line},
-                       {"date", date}});
-  };
-
   Progress progress(true);
   int failures = 0;
-  const std::string impl = options.impls.front();
-  for (const std::string& preset_name : options.presets) {
-    const Preset& preset = find_preset(preset_name);
+  for (const Preset& preset : presets) {
     for (int64_t tokens : options.tokens) {
-      progress.stage(preset_name + ", " + std::to_string(tokens) + " tokens/rank: generating inputs");
+      Shape shape = preset.shape;
+      shape.max_tokens = tokens;
+      shape.num_ranks = R;
+      Measurement setup;
+      setup.preset = preset.name;
+      setup.shape = shape;
+      setup.activation = preset.activation;
+      setup.backend = backend;
+      setup.warmup = options.warmup;
+      setup.iters = options.iters;
+      setup.input_sets =
+          options.input_sets > 0 ? options.input_sets : rotation_sets(input_set_bytes(shape), l2);
+      const std::string what = preset.name + ", " + std::to_string(tokens) + " tokens/rank";
+      progress.stage(what + ": generating inputs");
+      HostProblem problem;
+      std::string problem_error;
       try {
-        Shape shape = preset.shape;
-        shape.max_tokens = tokens;
-        shape.num_ranks = R;
-        const HostProblem problem = generate_problem(shape, preset.activation, options.seed);
-        RunRequest request;
-        request.problem = &problem;
-        request.config.activation = preset.activation;
-        request.config.backend = Backend::kGpu;
-        request.warmup = options.warmup;
-        request.iters = options.iters;
-        request.wgrad_fp32 = false;  // bf16 weight gradients, as the baseline's autograd produces
-        request.progress = &progress;
-        const RunOutcome outcome = run_on_gpu(request);
-        const double flops = forward_flops_per_rank(problem);
-        record(impl, "forward", preset_name, tokens, median(outcome.forward_ms), flops);
-        if (outcome.backward_ran) {
-          std::vector<double> both;
-          for (size_t i = 0; i < outcome.backward_ms.size(); ++i)
-            both.push_back(outcome.forward_ms[i] + outcome.backward_ms[i]);
-          record(impl, "backward", preset_name, tokens, median(outcome.backward_ms), 2.0 * flops);
-          record(impl, "forward_backward", preset_name, tokens, median(both), 3.0 * flops);
-        } else {
-          progress.finish();
-          std::cerr << "warning: " << preset_name << " T=" << tokens
-                    << ": backward did not run: " << outcome.backward_error << "\n";
+        if (!on_gpu) check_cpu_memory(shape);
+        problem = generate_problem(shape, preset.activation, options.seed);
+      } catch (const std::exception& error) {
+        problem_error = error.what();
+      }
+      for (const std::string& impl : options.impls) {
+        setup.impl = impl;
+        progress.stage(what + ", " + impl + ": " + std::to_string(setup.input_sets) + " input sets");
+        const std::vector<Measurement> measured = problem_error.empty()
+                                                      ? measure(problem, setup, passes, &progress)
+                                                      : failed_measurements(passes, setup, problem_error);
+        bool failed = false;
+        for (const Measurement& m : measured) {
+          failed |= m.run_failed;
+          records.push_back(make_record(context, m));
         }
-      } catch (const Error& error) {
-        progress.finish();
-        std::cerr << "warning: " << preset_name << " T=" << tokens << " failed: " << error.what() << "\n";
-        ++failures;
+        failures += failed;
       }
     }
   }
   progress.finish();
 
-  // The baseline, same GPUs, after ours so the two never share them.
+  const std::vector<BenchPass> base_passes = baseline_passes(passes);
+  const std::vector<std::string> base_presets = baseline_presets(options.presets);
   const std::string torchrun = find_executable(options.torchrun);
-  std::map<BaselineKey, double> baseline_ms;
-  if (options.no_baseline) {
+  if (!on_gpu) {
+    std::cerr << "note: no baseline on the CPU reference backend\n";
+  } else if (options.no_baseline) {
     std::cerr << "warning: --no-baseline: records have no speedup_vs_baseline\n";
+  } else if (base_passes.empty() || base_presets.empty()) {
+    std::cerr
+        << "note: the baseline measures forward and forward_backward of named presets only; none asked\n";
   } else if (torchrun.empty()) {
     std::cerr << "warning: '" << options.torchrun << "' not found; skipping the baseline (records have no "
               << "speedup_vs_baseline); pass --torchrun PATH or --no-baseline\n";
@@ -191,33 +238,20 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
     std::cerr << "warning: baseline script '" << options.baseline_script << "' not found; skipping the "
               << "baseline; pass --baseline-script PATH (run from the repository root)\n";
   } else {
-    for (json& baseline : run_baseline(options, torchrun, R)) {
-      baseline["speedup_vs_baseline"] = 1.0;
-      baseline_ms[{baseline.value("preset", ""), baseline.value("pass", ""),
-                   baseline.value("ranks", int64_t{0}), baseline.value("tokens_per_rank", int64_t{0})}] =
-          baseline.value("median_ms", 0.0);
-      records.push_back(baseline);
-    }
+    BaselineRun run;
+    run.torchrun = torchrun;
+    run.script = options.baseline_script;
+    run.ranks = R;
+    run.presets = base_presets;
+    run.tokens = options.tokens;
+    run.passes = base_passes;
+    run.warmup = options.warmup;
+    run.iters = options.iters;
+    for (json& record : run_baseline(run)) records.push_back(record);
   }
-  for (json& rec : records) {
-    if (rec["impl"] == "baseline") continue;
-    const auto found = baseline_ms.find({rec["preset"], rec["pass"], rec["ranks"], rec["tokens_per_rank"]});
-    if (found != baseline_ms.end() && rec["median_ms"].get<double>() > 0)
-      rec["speedup_vs_baseline"] = found->second / rec["median_ms"].get<double>();
-  }
+  apply_speedups(records);
 
-  std::cout << format("%-8s %-17s %-14s %6s %5s %11s %9s %9s\n", "impl", "pass", "preset", "ranks", "T/rk",
-                      "median ms", "TFLOP/s", "speedup");
-  for (const json& rec : records) {
-    const std::string speedup = rec["speedup_vs_baseline"].is_number()
-                                    ? format("%.2fx", rec["speedup_vs_baseline"].get<double>())
-                                    : "-";
-    std::cout << format("%-8s %-17s %-14s %6lld %5lld %11.3f %9.1f %9s\n", rec.value("impl", "").c_str(),
-                        rec.value("pass", "").c_str(), rec.value("preset", "").c_str(),
-                        static_cast<long long>(rec.value("ranks", int64_t{0})),
-                        static_cast<long long>(rec.value("tokens_per_rank", int64_t{0})),
-                        rec.value("median_ms", 0.0), rec.value("tflops", 0.0), speedup.c_str());
-  }
+  print_table(std::cout, records);
   const std::filesystem::path parent = std::filesystem::path(out_path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent);
   write_json(records, out_path);

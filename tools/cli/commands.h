@@ -20,7 +20,10 @@ struct BenchOptions {
   std::vector<std::string> presets = {"qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b", "mixtral-8x7b"};
   std::vector<int64_t> tokens = {4096, 8192};
   std::vector<std::string> impls = {"staged"};
-  int ranks = 0;  // 0 = every visible GPU
+  std::vector<std::string> passes = {"all"};  // forward | backward | forward_backward | all
+  std::string backend = "auto";               // auto (= gpu) | gpu | cpu (tests the tool; no baseline)
+  int ranks = 0;                              // 0 = every visible GPU (2 on the CPU backend)
+  int input_sets = 0;                         // rotated input sets; 0 = enough to exceed twice the L2
   int warmup = 3;
   int iters = 20;
   uint64_t seed = 2026;

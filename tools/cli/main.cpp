@@ -89,12 +89,29 @@ int main(int argc, char** argv) {
       "bench",
       "Sweep presets x tokens per rank on every visible GPU, with the PyTorch baseline measured in the "
       "same run; JSON records to bench/results/");
-  bench_app->add_option("--preset", bench.presets, "presets to sweep")->delimiter(',')->capture_default_str();
+  bench_app->add_option("--preset", bench.presets, "presets to sweep, or custom:H:I:E:k[:Is] shapes")
+      ->delimiter(',')
+      ->capture_default_str();
   bench_app->add_option("--tokens", bench.tokens, "tokens per rank to sweep")
       ->delimiter(',')
       ->capture_default_str();
-  bench_app->add_option("--impl", bench.impls, "fused | staged")->delimiter(',')->capture_default_str();
+  bench_app->add_option("--impl", bench.impls, "staged | fused (a list times each)")
+      ->delimiter(',')
+      ->capture_default_str();
+  bench_app
+      ->add_option("--pass", bench.passes,
+                   "forward | backward | forward_backward | all (= forward,forward_backward); a list")
+      ->delimiter(',')
+      ->capture_default_str();
   bench_app->add_option("--ranks", bench.ranks, "GPUs (0 = every visible GPU)")->capture_default_str();
+  bench_app
+      ->add_option("--backend", bench.backend,
+                   "auto (= gpu) | gpu | cpu (tests this tool; timings meaningless)")
+      ->capture_default_str();
+  bench_app
+      ->add_option("--input-sets", bench.input_sets,
+                   "input sets rotated over the runs (0 = enough to exceed twice the L2)")
+      ->capture_default_str();
   bench_app->add_option("--warmup", bench.warmup, "untimed runs per configuration")->capture_default_str();
   bench_app->add_option("--iters", bench.iters, "timed runs per configuration")->capture_default_str();
   bench_app->add_option("--seed", bench.seed, "seed of every input")->capture_default_str();

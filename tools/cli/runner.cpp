@@ -1,5 +1,6 @@
 #include "tools/cli/runner.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -15,20 +16,38 @@ namespace pounce::cli {
 
 // ---- per-rank driver -----------------------------------------------------------------------------------
 
-RankResult drive_rank(RankRunner& runner, const RunRequest& request, int rank) {
+void RankRunner::use_input_set(int set_idx) {
+  POUNCE_CHECK(set_idx == 0, "this runner has a single input set; RunRequest::num_input_sets must be 1");
+}
+
+int64_t input_set_shift(int64_t num_tokens, int set_idx, int num_sets) {
+  return num_sets > 0 ? static_cast<int64_t>(set_idx) * num_tokens / num_sets : 0;
+}
+
+RankResult drive_rank(RankRunner& runner, const RunRequest& request, int rank, std::barrier<>* align) {
   RankResult result;
   const int total = request.warmup + request.iters;
+  const int num_sets = std::max(1, request.num_input_sets);
+  // The last run is compared with the first run on the same input set (none when no earlier run had it).
+  const int repeat_reference = (total - 1) % num_sets;
+  const bool repeat_check = repeat_reference < total - 1;
+  auto meet = [align] {
+    if (align != nullptr) align->arrive_and_wait();
+  };
   bool backward = request.run_backward;
   std::vector<uint8_t> first;
   for (int run = 0; run < total; ++run) {
     const bool last = run == total - 1;
+    runner.use_input_set(run % num_sets);
     if (run == 0 || last) runner.poison();
     if (rank == 0 && request.progress != nullptr)
       request.progress->stage("forward" + std::string(backward ? " + backward" : "") + ", run " +
                               std::to_string(run + 1) + " of " + std::to_string(total));
+    meet();
     const double forward_ms = runner.forward();
     double backward_ms = 0.0;
     if (backward) {
+      meet();
       try {
         backward_ms = runner.backward();
         result.backward_ran = true;
@@ -44,13 +63,11 @@ RankResult drive_rank(RankRunner& runner, const RunRequest& request, int rank) {
       result.forward_ms.push_back(forward_ms);
       if (backward) result.backward_ms.push_back(backward_ms);
     }
-    if (run == 0) {
-      if (request.plan != nullptr)
-        result.observed =
-            gather_rank(*request.plan, request.problem->shape, rank, runner.outputs(*request.plan, backward));
-      if (total > 1) first = runner.snapshot(backward);
-    }
-    if (last && total > 1) result.repeat_bitwise_equal = runner.snapshot(backward) == first;
+    if (run == 0 && request.plan != nullptr)
+      result.observed =
+          gather_rank(*request.plan, request.problem->shape, rank, runner.outputs(*request.plan, backward));
+    if (repeat_check && run == repeat_reference) first = runner.snapshot(backward);
+    if (repeat_check && last) result.repeat_bitwise_equal = runner.snapshot(backward) == first;
   }
   if (!backward) result.backward_ms.clear();
   return result;
@@ -68,16 +85,25 @@ RunOutcome combine(std::vector<RankResult> results) {
           outcome.repeat_bitwise_equal.value_or(true) && *rank.repeat_bitwise_equal;
     outcome.observed.append(rank.observed);
   }
-  auto per_run_max = [&](auto member) {
+  // Per run, the maximum over ranks of `time(rank, run)`, over the runs every rank timed `member` for.
+  auto per_run_max = [&](auto member, auto time) {
     size_t runs = (results[0].*member).size();
     for (const RankResult& rank : results) runs = std::min(runs, (rank.*member).size());
     std::vector<double> out(runs, 0.0);
     for (const RankResult& rank : results)
-      for (size_t i = 0; i < runs; ++i) out[i] = std::max(out[i], (rank.*member)[i]);
+      for (size_t i = 0; i < runs; ++i) out[i] = std::max(out[i], time(rank, i));
     return out;
   };
-  outcome.forward_ms = per_run_max(&RankResult::forward_ms);
-  if (outcome.backward_ran) outcome.backward_ms = per_run_max(&RankResult::backward_ms);
+  auto forward = [](const RankResult& rank, size_t i) { return rank.forward_ms[i]; };
+  auto backward = [](const RankResult& rank, size_t i) { return rank.backward_ms[i]; };
+  outcome.forward_ms = per_run_max(&RankResult::forward_ms, forward);
+  if (outcome.backward_ran) {
+    outcome.backward_ms = per_run_max(&RankResult::backward_ms, backward);
+    // The slowest rank of each whole step, not the sum of the two passes' slowest ranks.
+    outcome.forward_backward_ms =
+        per_run_max(&RankResult::backward_ms,
+                    [&](const RankResult& rank, size_t i) { return forward(rank, i) + backward(rank, i); });
+  }
   return outcome;
 }
 
@@ -101,6 +127,14 @@ void* mutable_data(const void* data) {
   return const_cast<void*>(data);
 }  // views are read-only for inputs
 
+// `rows` rows of `width` elements each, starting at row `shift` and wrapping around.
+template <typename T>
+std::vector<T> rotate_rows(const std::vector<T>& rows, int64_t width, int64_t shift) {
+  std::vector<T> out(rows.size());
+  std::rotate_copy(rows.begin(), rows.begin() + shift * width, rows.end(), out.begin());
+  return out;
+}
+
 // Host memory with room for `numel` fp32 values (so it also holds bf16); operator new aligns it to 16 bytes.
 struct HostBuffer {
   std::vector<float> storage;
@@ -114,6 +148,7 @@ class CpuRankRunner final : public RankRunner {
   CpuRankRunner(const Group& group, const RunRequest& request, int rank)
       : request_(request),
         shape_(request.problem->shape),
+        rank_(rank),
         workspace_(group, request.problem->shape, request.config) {
     const HostRank& in = request.problem->ranks[rank];
     const HostWeights& shared = request.problem->shared;
@@ -149,6 +184,23 @@ class CpuRankRunner final : public RankRunner {
                         TensorView(d_shared_[1].data(), wgrad, {Is, H}),
                         TensorView(d_shared_[2].data(), wgrad, {H, Is})};
     }
+    for (int set_idx = 1; set_idx < request.num_input_sets; ++set_idx) {
+      const int64_t shift = input_set_shift(T, set_idx, request.num_input_sets);
+      sets_.push_back({rotate_rows(in.x, H, shift), rotate_rows(in.d_out, H, shift),
+                       rotate_rows(in.topk_idx, k, shift), rotate_rows(in.topk_weights, k, shift)});
+    }
+  }
+
+  void use_input_set(int set_idx) override {
+    POUNCE_CHECK(set_idx >= 0 && set_idx <= static_cast<int>(sets_.size()), "input set ", set_idx,
+                 " does not exist; this runner has ", sets_.size() + 1);
+    const HostRank& in = request_.problem->ranks[rank_];
+    const InputSet* set = set_idx > 0 ? &sets_[set_idx - 1] : nullptr;
+    args_.inputs.x.data = mutable_data(set != nullptr ? set->x.data() : in.x.data());
+    args_.inputs.topk_idx.data = mutable_data(set != nullptr ? set->topk_idx.data() : in.topk_idx.data());
+    args_.inputs.topk_weights.data =
+        mutable_data(set != nullptr ? set->topk_weights.data() : in.topk_weights.data());
+    args_.d_out.data = mutable_data(set != nullptr ? set->d_out.data() : in.d_out.data());
   }
 
   void poison() override {
@@ -205,12 +257,21 @@ class CpuRankRunner final : public RankRunner {
             &d_routed_[2], &d_shared_[0], &d_shared_[1], &d_shared_[2]};
   }
 
+  // Input sets 1.. (set 0 is the problem itself): its tokens shifted by input_set_shift rows.
+  struct InputSet {
+    std::vector<uint16_t> x, d_out;
+    std::vector<int32_t> topk_idx;
+    std::vector<float> topk_weights;
+  };
+
   const RunRequest& request_;
   Shape shape_;
+  int rank_;
   Workspace workspace_;
   BackwardArgs args_;
   HostBuffer out_, d_x_, d_topk_;
   HostBuffer d_routed_[3], d_shared_[3];
+  std::vector<InputSet> sets_;
 };
 
 }  // namespace
@@ -219,15 +280,18 @@ RunOutcome run_ranks(int num_ranks, const RunRequest& request,
                      const std::function<std::unique_ptr<RankRunner>(int rank)>& make_runner) {
   std::vector<RankResult> results(num_ranks);
   std::vector<std::exception_ptr> errors(num_ranks);
+  std::barrier<> align(num_ranks);
   std::vector<std::thread> threads;
   for (int rank = 0; rank < num_ranks; ++rank) {
     threads.emplace_back([&, rank] {
       try {
         std::unique_ptr<RankRunner> runner = make_runner(rank);
-        results[rank] = drive_rank(*runner, request, rank);
+        results[rank] = drive_rank(*runner, request, rank, &align);
       } catch (...) {
         errors[rank] = std::current_exception();
       }
+      // A rank that is done (or failed) stops counting, so its peers never wait for it at `align`.
+      align.arrive_and_drop();
     });
   }
   for (std::thread& thread : threads) thread.join();

@@ -2,10 +2,12 @@
 // backward) on every rank of a group, one std::thread per rank, and brings back timings and the values the
 // fp64 check needs.
 //
-// Per rank:  poison outputs -> [forward, backward] x (warmup + iters) -> gather run 0's outputs at the
-// check plan's coordinates -> poison again before the last run and compare it bitwise with run 0.
+// Per rank:  poison outputs -> [forward, backward] x (warmup + iters), run i on input set i % N -> gather
+// run 0's outputs at the check plan's coordinates -> poison again before the last run and compare it
+// bitwise with the first run on the same input set (run 0 when N = 1).
 #pragma once
 
+#include <barrier>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -28,17 +30,29 @@ struct RunRequest {
   bool wgrad_fp32 = true;           // weight gradients in fp32 (else bf16)
   bool run_backward = true;
   Progress* progress = nullptr;
+  // Input sets rotated over the runs (run i uses set i % num_input_sets), so that L2 does not keep one
+  // run's x, topk_idx, topk_weights and d_out for the next (DESIGN.md §7). Set 0 is the problem as
+  // generated (the one the check plan reads); set s holds the same tokens shifted by input_set_shift rows,
+  // so every set routes the same pairs, at its own addresses.
+  int num_input_sets = 1;
 };
 
 struct RunOutcome {
-  std::string device;               // what ran it, e.g. "2 x NVIDIA H200" or "CPU reference backend"
-  std::vector<double> forward_ms;   // per timed run: the maximum over ranks
-  std::vector<double> backward_ms;  // empty when backward did not run
+  std::string device;                       // what ran it, e.g. "2 x NVIDIA H200" or "CPU reference backend"
+  std::vector<double> forward_ms;           // per timed run: the maximum over ranks
+  std::vector<double> backward_ms;          // empty when backward did not run
+  std::vector<double> forward_backward_ms;  // per timed run: the maximum over ranks of forward + backward
   bool backward_ran = false;
-  std::string backward_error;                // why backward did not run (e.g. not implemented yet on GPUs)
-  SampledTensors observed;                   // run 0's outputs at the plan's coordinates, ranks concatenated
-  std::optional<bool> repeat_bitwise_equal;  // last run == run 0 (out, d_x, d_topk_weights); none for 1 run
+  std::string backward_error;  // why backward did not run (e.g. not implemented yet on GPUs)
+  SampledTensors observed;     // run 0's outputs at the plan's coordinates, ranks concatenated
+  // The last run == the first run on the same input set (out, d_x, d_topk_weights); none when no earlier
+  // run used that set (e.g. a single run).
+  std::optional<bool> repeat_bitwise_equal;
 };
+
+// Input set `set_idx` of `num_sets` starts at this token of set 0: its row t is row (t + shift) % T of
+// set 0 (t < T = num_tokens).
+int64_t input_set_shift(int64_t num_tokens, int set_idx, int num_sets);
 
 RunOutcome run_on_cpu(const RunRequest& request);
 // Throws pounce::Error when this build has no CUDA device code.
@@ -53,6 +67,9 @@ class RankRunner {
   virtual void poison() = 0;      // NaN (0xFF bytes) into every output
   virtual double forward() = 0;   // milliseconds
   virtual double backward() = 0;  // milliseconds
+  // Binds input set `set_idx` (RunRequest::num_input_sets) for the next calls; runners without rotation
+  // accept only set 0.
+  virtual void use_input_set(int set_idx);
   // Readers over this rank's outputs (host copies); backward fields only when `with_backward`.
   virtual RankOutputs outputs(const CheckPlan& plan, bool with_backward) = 0;
   // The bytes of out (and d_x, d_topk_weights when `with_backward`), for the bitwise repeat check.
@@ -67,12 +84,16 @@ struct RankResult {
   std::optional<bool> repeat_bitwise_equal;
 };
 
-RankResult drive_rank(RankRunner& runner, const RunRequest& request, int rank);
-// Per-iteration maximum over ranks; the first rank's backward error; ranks' samples concatenated.
+// With `align`, the ranks' threads meet there before every timed call, so no rank's call starts (and waits
+// inside the layer for its peers) while another rank is still busy on the host.
+RankResult drive_rank(RankRunner& runner, const RunRequest& request, int rank,
+                      std::barrier<>* align = nullptr);
+// Per-iteration maximum over ranks (forward, backward, and their sum); the first rank's backward error;
+// ranks' samples concatenated.
 RunOutcome combine(std::vector<RankResult> results);
 
-// Runs `make_runner(rank)` + drive_rank on one thread per rank, rethrows the first rank's failure, and
-// combines the results.
+// Runs `make_runner(rank)` + drive_rank on one thread per rank (aligned before every timed call), rethrows
+// the first rank's failure, and combines the results.
 RunOutcome run_ranks(int num_ranks, const RunRequest& request,
                      const std::function<std::unique_ptr<RankRunner>(int rank)>& make_runner);
 

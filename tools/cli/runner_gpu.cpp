@@ -128,6 +128,17 @@ class GpuRankRunner final : public RankRunner {
                         TensorView(d_shared_[1].data(), wgrad, {Is, H}, cuda, rank),
                         TensorView(d_shared_[2].data(), wgrad, {H, Is}, cuda, rank)};
     }
+    make_input_sets(T, H, k);
+  }
+
+  void use_input_set(int set_idx) override {
+    POUNCE_CHECK(set_idx >= 0 && set_idx <= static_cast<int>(input_sets_.size()), "input set ", set_idx,
+                 " does not exist; this runner has ", input_sets_.size() + 1);
+    const InputSet* set = set_idx > 0 ? &input_sets_[set_idx - 1] : nullptr;
+    args_.inputs.x.data = set != nullptr ? set->x.data() : x_.data();
+    args_.inputs.topk_idx.data = set != nullptr ? set->topk_idx.data() : topk_idx_.data();
+    args_.inputs.topk_weights.data = set != nullptr ? set->topk_weights.data() : topk_weights_.data();
+    args_.d_out.data = set != nullptr ? set->d_out.data() : d_out_.data();
   }
 
   ~GpuRankRunner() override {
@@ -212,6 +223,33 @@ class GpuRankRunner final : public RankRunner {
     return ms;
   }
 
+  // Input sets 1.. of RunRequest::num_input_sets: set 0's token rows (x, topk_idx, topk_weights, d_out)
+  // shifted by input_set_shift, copied on the device.
+  void make_input_sets(int64_t T, int64_t H, int64_t k) {
+    const int num_sets = request_.num_input_sets;
+    for (int set_idx = 1; set_idx < num_sets; ++set_idx) {
+      const int64_t shift = input_set_shift(T, set_idx, num_sets);
+      InputSet set;
+      set.x = rotated_rows(x_, T, H * 2, shift);
+      set.topk_idx = rotated_rows(topk_idx_, T, k * 4, shift);
+      set.topk_weights = rotated_rows(topk_weights_, T, k * 4, shift);
+      set.d_out = rotated_rows(d_out_, T, H * 2, shift);
+      input_sets_.push_back(std::move(set));
+    }
+    POUNCE_CUDA_TRY(cudaStreamSynchronize(stream_));
+  }
+
+  // A copy of `rows` rows of `row_bytes` whose row t is row (t + shift) % rows of `source`.
+  DeviceBuffer rotated_rows(const DeviceBuffer& source, int64_t rows, int64_t row_bytes, int64_t shift) {
+    DeviceBuffer copy(source.bytes());
+    const auto* from = static_cast<const uint8_t*>(source.data());
+    auto* to = static_cast<uint8_t*>(copy.data());
+    const size_t head = shift * row_bytes, tail = (rows - shift) * row_bytes;
+    if (tail > 0) POUNCE_CUDA_TRY(cudaMemcpyAsync(to, from + head, tail, cudaMemcpyDeviceToDevice, stream_));
+    if (head > 0) POUNCE_CUDA_TRY(cudaMemcpyAsync(to + tail, from, head, cudaMemcpyDeviceToDevice, stream_));
+    return copy;
+  }
+
   std::shared_ptr<std::vector<uint8_t>> download(const DeviceBuffer& buffer, size_t offset, size_t bytes) {
     auto host = std::make_shared<std::vector<uint8_t>>(bytes);
     if (bytes > 0) {
@@ -232,6 +270,10 @@ class GpuRankRunner final : public RankRunner {
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   DeviceBuffer x_, topk_idx_, topk_weights_, d_out_, out_, d_x_, d_topk_;
   DeviceBuffer routed_[3], shared_[3], d_routed_[3], d_shared_[3];
+  struct InputSet {
+    DeviceBuffer x, topk_idx, topk_weights, d_out;
+  };
+  std::vector<InputSet> input_sets_;  // sets 1.. (set 0 is x_, topk_idx_, topk_weights_, d_out_)
 };
 
 }  // namespace

@@ -1,0 +1,358 @@
+// `pounce bench`'s method (tools/cli/bench.h) and the runner's rotation and rank alignment
+// (tools/cli/runner.h), without a GPU: passes, useful flops, input sets, records, same-run speed-ups, the
+// baseline's command line, and a whole measurement on the CPU reference backend.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <set>
+#include <thread>
+
+#include "pounce/error.h"
+#include "tools/cli/bench.h"
+#include "tools/cli/inputs.h"
+#include "tools/cli/runner.h"
+
+namespace pounce::cli {
+namespace {
+
+using nlohmann::json;
+
+Shape tiny_shape() {
+  Shape shape;
+  shape.max_tokens = 12;
+  shape.hidden = 128;
+  shape.intermediate = 64;
+  shape.num_experts = 4;
+  shape.num_topk = 2;
+  shape.shared_intermediate = 64;
+  shape.num_ranks = 2;
+  return shape;
+}
+
+bool throws_with(const std::function<void()>& call, const std::string& words) {
+  try {
+    call();
+  } catch (const Error& error) {
+    return std::string(error.what()).find(words) != std::string::npos;
+  }
+  return false;
+}
+
+TEST(CliBench, ParsesPasses) {
+  using P = BenchPass;
+  EXPECT_EQ(parse_passes({"all"}), (std::vector<P>{P::kForward, P::kForwardBackward}));
+  EXPECT_EQ(parse_passes({"forward_backward", "forward", "forward"}),
+            (std::vector<P>{P::kForward, P::kForwardBackward}));
+  EXPECT_EQ(parse_passes({"backward", "all"}),
+            (std::vector<P>{P::kForward, P::kBackward, P::kForwardBackward}));
+  EXPECT_FALSE(needs_backward(parse_passes({"forward"})));
+  EXPECT_TRUE(needs_backward(parse_passes({"backward"})));
+  EXPECT_TRUE(needs_backward(parse_passes({"all"})));
+  EXPECT_STREQ(to_string(P::kForwardBackward), "forward_backward");
+  EXPECT_TRUE(throws_with([] { parse_passes({"fwd"}); }, "--pass fwd is unknown"));
+  EXPECT_THROW(parse_passes({}), Error);
+}
+
+TEST(CliBench, CountsUsefulFlopsAsDesignSection7) {
+  // The stored staged forward records (bench/results/staged_forward_ep2_2026-11-29.json): EP2, 8192 tokens
+  // per rank, k distinct experts per token, so pairs = R * T * k.
+  const double qwen3 = forward_flops_per_rank(2 * 8192 * 8, 2 * 8192, 2048, 768, 0, 2);
+  EXPECT_DOUBLE_EQ(qwen3, 6.0 * 8192 * 8 * 2048 * 768);
+  EXPECT_NEAR(tflops(qwen3, 2.03057599067688), 304.58120920549004, 1e-9);
+  const double deepseek = forward_flops_per_rank(2 * 8192 * 8, 2 * 8192, 7168, 2048, 2048, 2);
+  EXPECT_NEAR(tflops(deepseek, 13.936880111694336), 465.9572658663354, 1e-9);
+  // Backward does twice the forward's work; a training step three times.
+  EXPECT_DOUBLE_EQ(pass_flops(BenchPass::kForward, qwen3), qwen3);
+  EXPECT_DOUBLE_EQ(pass_flops(BenchPass::kBackward, qwen3), 2 * qwen3);
+  EXPECT_DOUBLE_EQ(pass_flops(BenchPass::kForwardBackward, qwen3), 3 * qwen3);
+}
+
+TEST(CliBench, CountsRowsThatCrossRanks) {
+  HostProblem problem;
+  problem.shape = tiny_shape();  // 2 experts per rank
+  problem.ranks.resize(2);
+  problem.ranks[0].topk_idx = {0, 2, 3, -1};  // rank 0: experts 2 and 3 live on rank 1
+  problem.ranks[1].topk_idx = {1, 2, 0, 3};   // rank 1: experts 1 and 0 live on rank 0
+  // 4 crossing pairs, each a row of H bf16 values there and back, averaged over 2 ranks.
+  EXPECT_DOUBLE_EQ(forward_crossing_bytes_per_rank(problem), 4.0 * 128 * 2 * 2 / 2);
+}
+
+TEST(CliBench, RotatesEnoughInputSetsToMissL2) {
+  const int64_t l2 = int64_t{60} << 20;
+  Shape qwen3 = find_preset("qwen3-30b-a3b").shape;
+  qwen3.max_tokens = 1024;
+  const int64_t set = input_set_bytes(qwen3);
+  EXPECT_EQ(set, 1024 * 2048 * 2 * 2 + 1024 * 8 * 8);
+  const int sets = rotation_sets(set, l2);
+  EXPECT_GT(sets * set, 2 * l2);
+  EXPECT_LE((sets - 1) * set, 2 * l2) << "more sets than needed";
+  EXPECT_EQ(rotation_sets(235 << 20, l2), kMinInputSets);  // large sets: the minimum
+  EXPECT_EQ(rotation_sets(4096, l2), kMaxInputSets);       // tiny sets: capped in number
+  EXPECT_EQ(rotation_sets(int64_t{3} << 29, l2), 2);       // 1.5 GiB sets: two, over the byte cap
+  EXPECT_EQ(rotation_sets(int64_t{100} << 20, l2) * (int64_t{100} << 20) <= kMaxRotationBytes, true);
+  // Set s starts s/N of the way through set 0's tokens.
+  EXPECT_EQ(input_set_shift(10, 0, 4), 0);
+  EXPECT_EQ(input_set_shift(10, 1, 4), 2);
+  EXPECT_EQ(input_set_shift(10, 2, 4), 5);
+  EXPECT_EQ(input_set_shift(10, 3, 4), 7);
+  EXPECT_EQ(input_set_shift(0, 3, 4), 0);
+}
+
+TEST(CliBench, SelectsImplAndPreset) {
+  Config config;
+  EXPECT_NO_THROW(select_impl("staged", config));
+  EXPECT_TRUE(throws_with([&] { select_impl("fused", config); }, "--impl fused"));
+  EXPECT_TRUE(throws_with([&] { select_impl("fast", config); }, "choose staged or fused"));
+  EXPECT_EQ(bench_preset("deepseek-v3").shape.shared_intermediate, 2048);
+  const Preset custom = bench_preset("custom:256:128:8:2:64");
+  EXPECT_EQ(custom.name, "custom:256:128:8:2:64");
+  EXPECT_EQ(custom.shape.hidden, 256);
+  EXPECT_EQ(custom.shape.intermediate, 128);
+  EXPECT_EQ(custom.shape.num_experts, 8);
+  EXPECT_EQ(custom.shape.num_topk, 2);
+  EXPECT_EQ(custom.shape.shared_intermediate, 64);
+  EXPECT_EQ(bench_preset("custom:256:128:8:2").shape.shared_intermediate, 0);
+  EXPECT_THROW(bench_preset("custom:256:128:8"), Error);
+  EXPECT_THROW(bench_preset("custom:256:x:8:2"), Error);
+  EXPECT_THROW(bench_preset("custom:256::8:2"), Error);
+  EXPECT_THROW(bench_preset("qwen4"), Error);
+}
+
+Measurement measured(BenchPass pass, std::vector<double> times) {
+  Measurement m;
+  m.impl = "staged";
+  m.preset = "qwen3-30b-a3b";
+  m.pass = pass;
+  m.shape = find_preset("qwen3-30b-a3b").shape;
+  m.shape.max_tokens = 8192;
+  m.shape.num_ranks = 2;
+  m.warmup = 2;
+  m.iters = static_cast<int>(times.size());
+  m.input_sets = 3;
+  m.flops = 6e12;
+  m.crossing_bytes = 1e9;
+  m.times_ms = std::move(times);
+  return m;
+}
+
+TEST(CliBench, RecordsCarryEveryFieldOfDesignSection7) {
+  const RecordContext context{"NVIDIA H200", "580.159.04",   "13.0", "2.28.9",
+                              "abc1234",     "pounce bench", "now"};
+  const json record = make_record(context, measured(BenchPass::kForwardBackward, {3.0, 1.0, 2.0}));
+  for (const char* key :
+       {"impl", "pass", "preset", "ranks", "tokens_per_rank", "precision", "median_ms", "tflops",
+        "speedup_vs_baseline", "gpu", "driver", "cuda", "nccl", "commit", "command", "date"})
+    EXPECT_TRUE(record.contains(key)) << key;
+  EXPECT_EQ(record["impl"], "staged");
+  EXPECT_EQ(record["pass"], "forward_backward");
+  EXPECT_EQ(record["ranks"], 2);
+  EXPECT_EQ(record["tokens_per_rank"], 8192);
+  EXPECT_EQ(record["precision"], "bf16");
+  EXPECT_DOUBLE_EQ(record["median_ms"].get<double>(), 2.0);
+  EXPECT_DOUBLE_EQ(record["min_ms"].get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(record["tflops"].get<double>(), 3000.0);  // 6e12 flops in 2 ms
+  EXPECT_DOUBLE_EQ(record["nvlink_gbps"].get<double>(), 500.0);
+  EXPECT_TRUE(record["speedup_vs_baseline"].is_null());
+  EXPECT_EQ(record["input_sets"], 3);
+  EXPECT_EQ(record["gpu"], "NVIDIA H200");
+  EXPECT_FALSE(record.contains("error"));
+
+  Measurement failed = measured(BenchPass::kForwardBackward, {});
+  failed.error = "backward did not run: backward on GPUs is not implemented yet (issue #5)";
+  const json missing = make_record(context, failed);
+  EXPECT_TRUE(missing["median_ms"].is_null());
+  EXPECT_TRUE(missing["tflops"].is_null());
+  EXPECT_EQ(missing["error"], failed.error);
+}
+
+TEST(CliBench, SpeedupIsAgainstTheSamePassOfTheSameRun) {
+  const RecordContext context;
+  json records = json::array();
+  records.push_back(make_record(context, measured(BenchPass::kForward, {2.0})));
+  records.push_back(make_record(context, measured(BenchPass::kForwardBackward, {6.0})));
+  Measurement other_tokens = measured(BenchPass::kForward, {1.0});
+  other_tokens.shape.max_tokens = 4096;
+  records.push_back(make_record(context, other_tokens));
+  Measurement not_run = measured(BenchPass::kBackward, {});
+  not_run.error = "backward did not run";
+  records.push_back(make_record(context, not_run));
+  auto baseline = [](const char* pass, double ms) {
+    return json{{"impl", "baseline"},      {"pass", pass},   {"preset", "qwen3-30b-a3b"}, {"ranks", 2},
+                {"tokens_per_rank", 8192}, {"median_ms", ms}};
+  };
+  records.push_back(baseline("forward", 5.0));
+  records.push_back(baseline("forward_backward", 12.0));
+  apply_speedups(records);
+  EXPECT_DOUBLE_EQ(records[0]["speedup_vs_baseline"].get<double>(), 2.5);
+  EXPECT_DOUBLE_EQ(records[1]["speedup_vs_baseline"].get<double>(), 2.0);
+  EXPECT_TRUE(records[2]["speedup_vs_baseline"].is_null()) << "no baseline at 4096 tokens";
+  EXPECT_TRUE(records[3]["speedup_vs_baseline"].is_null()) << "not measured";
+  EXPECT_DOUBLE_EQ(records[4]["speedup_vs_baseline"].get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(records[5]["speedup_vs_baseline"].get<double>(), 1.0);
+}
+
+TEST(CliBench, BackwardThatDidNotRunIsReportedPerRecord) {
+  RunOutcome outcome;
+  outcome.forward_ms = {1.0, 2.0};
+  outcome.backward_ran = false;
+  outcome.backward_error = "backward on GPUs is not implemented yet (issue #5)";
+  const std::vector<Measurement> ms =
+      take_measurements(outcome, parse_passes({"all", "backward"}), measured(BenchPass::kForward, {}));
+  ASSERT_EQ(ms.size(), 3u);
+  EXPECT_EQ(ms[0].times_ms, outcome.forward_ms);
+  EXPECT_TRUE(ms[0].error.empty());
+  for (size_t i = 1; i < 3; ++i) {
+    EXPECT_TRUE(ms[i].times_ms.empty());
+    EXPECT_NE(ms[i].error.find("not implemented yet"), std::string::npos);
+    EXPECT_FALSE(ms[i].run_failed);
+  }
+  EXPECT_DOUBLE_EQ(ms[2].flops, 3 * 6e12);
+  EXPECT_DOUBLE_EQ(ms[2].crossing_bytes, 2 * 1e9);
+
+  const std::vector<Measurement> failed =
+      failed_measurements(parse_passes({"all"}), measured(BenchPass::kForward, {}), "pounce: out of memory");
+  ASSERT_EQ(failed.size(), 2u);
+  EXPECT_EQ(failed[0].error, "out of memory");
+  EXPECT_TRUE(failed[0].run_failed);
+}
+
+TEST(CliBench, BaselineCommandAsksForTheSamePassesAndRotation) {
+  BaselineRun run;
+  run.torchrun = "/opt/torch/.venv/bin/torchrun";
+  run.script = "bench/baselines/torch_moe.py";
+  run.ranks = 2;
+  run.presets = baseline_presets({"qwen3-30b-a3b", "custom:256:128:8:2", "deepseek-v3"});
+  run.tokens = {1024, 8192};
+  run.passes = baseline_passes(parse_passes({"all", "backward"}));
+  run.warmup = 2;
+  run.iters = 10;
+  run.json_path = "/tmp/x.json";
+  const std::string command = baseline_command(run);
+  for (const char* part :
+       {"'/opt/torch/.venv/bin/torchrun' --standalone --nproc-per-node=2 ",
+        "--preset 'qwen3-30b-a3b,deepseek-v3' ", "--tokens 1024,8192 ", "--passes forward,forward_backward ",
+        "--warmup 2 --iters 10 --sets 0 ", "--json '/tmp/x.json'"})
+    EXPECT_NE(command.find(part), std::string::npos) << part << " not in: " << command;
+  EXPECT_EQ(shell_quote("it's"), "'it'\\''s'");
+}
+
+// A rank that records which input set each run used, checks that no rank's timed call starts before every
+// rank has begun that run, and returns times that tell ranks and passes apart.
+struct FakeRanks {
+  std::vector<int> sets[2];  // per rank, the set of each run
+  std::atomic<int> runs_begun[2] = {0, 0};
+  std::atomic<bool> misaligned{false};
+  bool backward_fails = false;
+};
+
+class FakeRunner final : public RankRunner {
+ public:
+  FakeRunner(FakeRanks& ranks, int rank) : ranks_(ranks), rank_(rank) {}
+  void poison() override {}
+  void use_input_set(int set_idx) override {
+    ranks_.sets[rank_].push_back(set_idx);
+    if (rank_ == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2));  // a slow host thread
+    ranks_.runs_begun[rank_].fetch_add(1);
+  }
+  double forward() override {
+    ++runs_;
+    for (const std::atomic<int>& begun : ranks_.runs_begun)
+      if (begun.load() < runs_) ranks_.misaligned = true;
+    return 1.0 + rank_;  // rank 1 is slower forward...
+  }
+  double backward() override {
+    if (ranks_.backward_fails) throw Error("backward on GPUs is not implemented yet (issue #5)");
+    return rank_ == 0 ? 10.0 : 8.0;  // ...and faster backward
+  }
+  RankOutputs outputs(const CheckPlan&, bool) override { return {}; }
+  std::vector<uint8_t> snapshot(bool) override { return {1, 2, 3}; }
+
+ private:
+  FakeRanks& ranks_;
+  int rank_;
+  int runs_ = 0;
+};
+
+TEST(CliRunner, RotatesInputSetsAlignsRanksAndTakesTheSlowestStep) {
+  FakeRanks ranks;
+  RunRequest request;
+  request.warmup = 1;
+  request.iters = 4;
+  request.num_input_sets = 3;
+  const RunOutcome outcome = run_ranks(2, request, [&](int rank) -> std::unique_ptr<RankRunner> {
+    return std::make_unique<FakeRunner>(ranks, rank);
+  });
+  for (const std::vector<int>& sets : ranks.sets) EXPECT_EQ(sets, (std::vector<int>{0, 1, 2, 0, 1}));
+  EXPECT_FALSE(ranks.misaligned) << "a rank's forward started before its peer began the run";
+  EXPECT_EQ(outcome.forward_ms, std::vector<double>(4, 2.0));
+  EXPECT_EQ(outcome.backward_ms, std::vector<double>(4, 10.0));
+  // max over ranks of (forward + backward) = max(1 + 10, 2 + 8), not 2 + 10
+  EXPECT_EQ(outcome.forward_backward_ms, std::vector<double>(4, 11.0));
+  ASSERT_TRUE(outcome.repeat_bitwise_equal.has_value()) << "runs 1 and 4 share set 1";
+  EXPECT_TRUE(*outcome.repeat_bitwise_equal);
+}
+
+TEST(CliRunner, UsesSetsInTurnAndReportsABackwardThatThrows) {
+  FakeRanks ranks;
+  ranks.backward_fails = true;
+  RunRequest request;
+  request.warmup = 2;
+  request.iters = 3;
+  request.num_input_sets = 2;
+  FakeRunner runner(ranks, 0);
+  const RankResult result = drive_rank(runner, request, 0);
+  EXPECT_EQ(ranks.sets[0], (std::vector<int>{0, 1, 0, 1, 0}));
+  EXPECT_EQ(result.forward_ms.size(), 3u);
+  EXPECT_FALSE(result.backward_ran);
+  EXPECT_EQ(result.backward_error, "backward on GPUs is not implemented yet (issue #5)");
+  // With as many sets as runs no earlier run shares the last run's set: no repeat check.
+  request.num_input_sets = 5;
+  FakeRunner alone(ranks, 0);
+  EXPECT_FALSE(drive_rank(alone, request, 0).repeat_bitwise_equal.has_value());
+}
+
+TEST(CliBench, MeasuresEveryPassOnTheCpuBackend) {
+  const HostProblem problem = generate_problem(tiny_shape(), Activation::swiglu(), 5);
+  Measurement setup;
+  setup.impl = "staged";
+  setup.preset = "custom:128:64:4:2:64";
+  setup.backend = Backend::kCpu;
+  setup.warmup = 1;
+  setup.iters = 2;
+  setup.input_sets = 3;
+  const std::vector<Measurement> ms = measure(problem, setup, parse_passes({"all", "backward"}), nullptr);
+  ASSERT_EQ(ms.size(), 3u);
+  const double forward_flops = forward_flops_per_rank(problem);
+  for (const Measurement& m : ms) {
+    EXPECT_TRUE(m.error.empty()) << to_string(m.pass) << ": " << m.error;
+    EXPECT_EQ(m.times_ms.size(), 2u) << to_string(m.pass);
+    EXPECT_DOUBLE_EQ(m.flops, pass_flops(m.pass, forward_flops));
+    EXPECT_EQ(m.shape, tiny_shape());
+  }
+  for (size_t i = 0; i < 2; ++i) EXPECT_GE(ms[2].times_ms[i], ms[1].times_ms[i]);
+  EXPECT_FALSE(ms[0].repeat_bitwise_equal.has_value()) << "3 runs on 3 sets: none shares the last run's";
+
+  // Every rotated set routes the same pairs: the schedule and a fresh bitwise repeat hold on the set.
+  RunRequest request;
+  request.problem = &problem;
+  request.config.backend = Backend::kCpu;
+  request.warmup = 1;
+  request.iters = 3;
+  request.num_input_sets = 3;  // runs 0 and 3 both use set 0
+  const RunOutcome outcome = run_on_cpu(request);
+  EXPECT_TRUE(outcome.backward_ran);
+  ASSERT_TRUE(outcome.repeat_bitwise_equal.has_value());
+  EXPECT_TRUE(*outcome.repeat_bitwise_equal);
+  EXPECT_EQ(outcome.forward_backward_ms.size(), 3u);
+
+  // An impl that does not exist fails every pass, not the sweep.
+  setup.impl = "fused";
+  const std::vector<Measurement> fused = measure(problem, setup, parse_passes({"forward"}), nullptr);
+  ASSERT_EQ(fused.size(), 1u);
+  EXPECT_TRUE(fused[0].run_failed);
+  EXPECT_NE(fused[0].error.find("--impl fused"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace pounce::cli

@@ -1,0 +1,312 @@
+#include "tools/cli/bench.h"
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include "pounce/error.h"
+#include "tools/cli/parallel.h"
+
+namespace pounce::cli {
+namespace {
+
+using nlohmann::json;
+
+std::string without_prefix(const std::string& message) {
+  const std::string prefix = "pounce: ";
+  return message.rfind(prefix, 0) == 0 ? message.substr(prefix.size()) : message;
+}
+
+std::string join(const std::vector<std::string>& parts) {
+  std::string out;
+  for (const std::string& part : parts) out += (out.empty() ? "" : ",") + part;
+  return out;
+}
+
+// A JSON number, or null for "none".
+json number_or_null(bool known, double value) {
+  return known ? json(value) : json(nullptr);
+}
+
+}  // namespace
+
+// ---- what is measured ----------------------------------------------------------------------------------
+
+const char* to_string(BenchPass pass) {
+  switch (pass) {
+    case BenchPass::kForward:
+      return "forward";
+    case BenchPass::kBackward:
+      return "backward";
+    case BenchPass::kForwardBackward:
+      return "forward_backward";
+  }
+  return "?";
+}
+
+std::vector<BenchPass> parse_passes(const std::vector<std::string>& names) {
+  bool wanted[3] = {false, false, false};
+  for (const std::string& name : names) {
+    if (name == "all") {
+      wanted[0] = wanted[2] = true;
+    } else if (name == "forward") {
+      wanted[0] = true;
+    } else if (name == "backward") {
+      wanted[1] = true;
+    } else if (name == "forward_backward") {
+      wanted[2] = true;
+    } else {
+      detail::fail("--pass ", name, " is unknown; choose forward, backward, forward_backward or all");
+    }
+  }
+  std::vector<BenchPass> passes;
+  for (BenchPass pass : {BenchPass::kForward, BenchPass::kBackward, BenchPass::kForwardBackward})
+    if (wanted[static_cast<int>(pass)]) passes.push_back(pass);
+  POUNCE_CHECK(!passes.empty(), "--pass is empty; choose forward, backward, forward_backward or all");
+  return passes;
+}
+
+bool needs_backward(const std::vector<BenchPass>& passes) {
+  return std::any_of(passes.begin(), passes.end(),
+                     [](BenchPass pass) { return pass != BenchPass::kForward; });
+}
+
+double pass_flops(BenchPass pass, double forward_flops) {
+  switch (pass) {
+    case BenchPass::kForward:
+      return forward_flops;
+    case BenchPass::kBackward:
+      return 2.0 * forward_flops;
+    case BenchPass::kForwardBackward:
+      return 3.0 * forward_flops;
+  }
+  return 0.0;
+}
+
+Preset bench_preset(const std::string& name) {
+  const std::string prefix = "custom:";
+  if (name.rfind(prefix, 0) != 0) return find_preset(name);
+  std::vector<int64_t> fields;
+  size_t begin = prefix.size();
+  while (begin <= name.size()) {
+    const size_t end = std::min(name.find(':', begin), name.size());
+    const std::string field = name.substr(begin, end - begin);
+    POUNCE_CHECK(!field.empty() && field.find_first_not_of("0123456789") == std::string::npos, "--preset ",
+                 name, ": '", field, "' is not a size; write custom:H:I:E:k or custom:H:I:E:k:Is");
+    fields.push_back(std::stoll(field));
+    begin = end + 1;
+  }
+  POUNCE_CHECK(fields.size() == 4 || fields.size() == 5, "--preset ", name, " has ", fields.size(),
+               " sizes; write custom:H:I:E:k or custom:H:I:E:k:Is");
+  Preset preset;
+  preset.name = name;
+  preset.shape.hidden = fields[0];
+  preset.shape.intermediate = fields[1];
+  preset.shape.num_experts = fields[2];
+  preset.shape.num_topk = fields[3];
+  preset.shape.shared_intermediate = fields.size() == 5 ? fields[4] : 0;
+  preset.activation = Activation::swiglu();
+  return preset;
+}
+
+void select_impl(const std::string& impl, Config& config) {
+  (void)config;                  // the fused kernel will be chosen through it
+  if (impl == "staged") return;  // the GPU backend's path today: the chain of standalone stage kernels
+  if (impl == "fused")
+    detail::fail("--impl fused: the fused kernel is not in this build yet (issue #4); use --impl staged");
+  detail::fail("--impl ", impl, " is unknown; choose staged or fused");
+}
+
+// ---- input rotation ------------------------------------------------------------------------------------
+
+int64_t input_set_bytes(const Shape& shape) {
+  const int64_t T = shape.max_tokens, H = shape.hidden, k = shape.num_topk;
+  return 2 * (T * H * 2) + T * k * 4 + T * k * 4;
+}
+
+int rotation_sets(int64_t set_bytes, int64_t l2_bytes) {
+  if (set_bytes <= 0) return kMinInputSets;
+  const int64_t enough = std::max<int64_t>(kMinInputSets, 2 * l2_bytes / set_bytes + 1);
+  const int64_t affordable = std::min<int64_t>(kMaxInputSets, kMaxRotationBytes / set_bytes);
+  return static_cast<int>(std::max<int64_t>(2, std::min(enough, affordable)));
+}
+
+// ---- one measured configuration ------------------------------------------------------------------------
+
+double forward_crossing_bytes_per_rank(const HostProblem& problem) {
+  const Shape& s = problem.shape;
+  const int64_t El = s.num_local_experts();
+  int64_t crossing_pairs = 0;
+  for (size_t rank = 0; rank < problem.ranks.size(); ++rank)
+    for (int32_t expert : problem.ranks[rank].topk_idx)
+      crossing_pairs += expert >= 0 && expert / El != static_cast<int64_t>(rank);
+  // dispatch + combine, H bf16 values per row, averaged over the ranks
+  return 2.0 * static_cast<double>(crossing_pairs) * static_cast<double>(s.hidden) * 2.0 /
+         static_cast<double>(s.num_ranks);
+}
+
+std::vector<Measurement> take_measurements(const RunOutcome& outcome, const std::vector<BenchPass>& passes,
+                                           const Measurement& common) {
+  std::vector<Measurement> out;
+  for (BenchPass pass : passes) {
+    Measurement m = common;
+    m.pass = pass;
+    m.repeat_bitwise_equal = outcome.repeat_bitwise_equal;
+    m.flops = pass_flops(pass, common.flops);
+    m.crossing_bytes =
+        pass == BenchPass::kForwardBackward ? 2.0 * common.crossing_bytes : common.crossing_bytes;
+    if (pass == BenchPass::kForward) {
+      m.times_ms = outcome.forward_ms;
+    } else if (!outcome.backward_ran) {
+      m.error = "backward did not run: " +
+                (outcome.backward_error.empty() ? std::string("not requested") : outcome.backward_error);
+    } else {
+      m.times_ms = pass == BenchPass::kBackward ? outcome.backward_ms : outcome.forward_backward_ms;
+    }
+    if (m.error.empty() && m.times_ms.empty()) m.error = "no timed run";
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+std::vector<Measurement> failed_measurements(const std::vector<BenchPass>& passes, const Measurement& common,
+                                             const std::string& error) {
+  std::vector<Measurement> out = take_measurements(RunOutcome{}, passes, common);
+  for (Measurement& m : out) {
+    m.error = without_prefix(error);
+    m.run_failed = true;
+  }
+  return out;
+}
+
+std::vector<Measurement> measure(const HostProblem& problem, const Measurement& setup,
+                                 const std::vector<BenchPass>& passes, Progress* progress) {
+  Measurement common = setup;
+  common.shape = problem.shape;
+  common.activation = problem.activation;
+  common.flops = forward_flops_per_rank(problem);
+  common.crossing_bytes = forward_crossing_bytes_per_rank(problem);
+  try {
+    RunRequest request;
+    request.problem = &problem;
+    request.config.activation = problem.activation;
+    request.config.backend = setup.backend;
+    select_impl(setup.impl, request.config);
+    request.warmup = setup.warmup;
+    request.iters = setup.iters;
+    request.wgrad_fp32 = false;  // bf16 weight gradients, as the baseline's autograd produces
+    request.run_backward = needs_backward(passes);
+    request.num_input_sets = setup.input_sets;
+    request.progress = progress;
+    const RunOutcome outcome = setup.backend == Backend::kCpu ? run_on_cpu(request) : run_on_gpu(request);
+    return take_measurements(outcome, passes, common);
+  } catch (const std::exception& error) {
+    return failed_measurements(passes, common, error.what());
+  }
+}
+
+// ---- records -------------------------------------------------------------------------------------------
+
+json make_record(const RecordContext& context, const Measurement& m) {
+  const bool measured = !m.times_ms.empty() && m.error.empty();
+  double median_ms = 0.0, min_ms = 0.0, max_ms = 0.0;
+  if (measured) {
+    median_ms = median(m.times_ms);
+    min_ms = *std::min_element(m.times_ms.begin(), m.times_ms.end());
+    max_ms = *std::max_element(m.times_ms.begin(), m.times_ms.end());
+  }
+  const Shape& s = m.shape;
+  json record = {
+      {"impl", m.impl},
+      {"pass", to_string(m.pass)},
+      {"preset", m.preset},
+      {"ranks", s.num_ranks},
+      {"tokens_per_rank", s.max_tokens},
+      {"precision", to_string(Precision::kBF16)},
+      {"median_ms", number_or_null(measured, median_ms)},
+      {"tflops", number_or_null(measured, tflops(m.flops, median_ms))},
+      {"speedup_vs_baseline", nullptr},
+      {"gpu", context.gpu},
+      {"driver", context.driver},
+      {"cuda", context.cuda},
+      {"nccl", context.nccl},
+      {"commit", context.commit},
+      {"command", context.command},
+      {"date", context.date},
+      // how it was measured, and on what
+      {"backend", to_string(m.backend)},
+      {"min_ms", number_or_null(measured, min_ms)},
+      {"max_ms", number_or_null(measured, max_ms)},
+      {"flops_per_rank", m.flops},
+      {"nvlink_gbps", number_or_null(measured && median_ms > 0 && s.num_ranks > 1,
+                                     median_ms > 0 ? m.crossing_bytes / (median_ms * 1e-3) / 1e9 : 0.0)},
+      {"iters", m.iters},
+      {"warmup", m.warmup},
+      {"input_sets", m.input_sets},
+      {"hidden", s.hidden},
+      {"intermediate", s.intermediate},
+      {"experts", s.num_experts},
+      {"topk", s.num_topk},
+      {"shared_intermediate", s.shared_intermediate},
+      {"activation", to_string(m.activation.kind)},
+      {"repeat_bitwise_equal", m.repeat_bitwise_equal ? json(*m.repeat_bitwise_equal) : json(nullptr)},
+  };
+  if (!measured) record["error"] = m.error.empty() ? "not measured" : m.error;
+  return record;
+}
+
+void apply_speedups(json& records) {
+  using Key = std::tuple<std::string, std::string, int64_t, int64_t>;  // preset, pass, ranks, tokens
+  auto key = [](const json& record) {
+    return Key{record.value("preset", ""), record.value("pass", ""), record.value("ranks", int64_t{0}),
+               record.value("tokens_per_rank", int64_t{0})};
+  };
+  auto median_of = [](const json& record) {
+    const auto found = record.find("median_ms");
+    return found != record.end() && found->is_number() ? found->get<double>() : 0.0;
+  };
+  std::map<Key, double> baseline_ms;
+  for (const json& record : records)
+    if (record.value("impl", "") == "baseline" && median_of(record) > 0)
+      baseline_ms[key(record)] = median_of(record);
+  for (json& record : records) {
+    const auto found = baseline_ms.find(key(record));
+    const double own = median_of(record);
+    record["speedup_vs_baseline"] =
+        found != baseline_ms.end() && own > 0 ? json(found->second / own) : json(nullptr);
+  }
+}
+
+// ---- the baseline --------------------------------------------------------------------------------------
+
+std::vector<BenchPass> baseline_passes(const std::vector<BenchPass>& passes) {
+  std::vector<BenchPass> out;
+  for (BenchPass pass : passes)
+    if (pass != BenchPass::kBackward) out.push_back(pass);
+  return out;
+}
+
+std::vector<std::string> baseline_presets(const std::vector<std::string>& presets) {
+  std::vector<std::string> out;
+  for (const std::string& preset : presets)
+    if (preset.rfind("custom:", 0) != 0) out.push_back(preset);
+  return out;
+}
+
+std::string baseline_command(const BaselineRun& run) {
+  std::vector<std::string> tokens, passes;
+  for (int64_t t : run.tokens) tokens.push_back(std::to_string(t));
+  for (BenchPass pass : run.passes) passes.push_back(to_string(pass));
+  return shell_quote(run.torchrun) + " --standalone --nproc-per-node=" + std::to_string(run.ranks) + " " +
+         shell_quote(run.script) + " --preset " + shell_quote(join(run.presets)) + " --tokens " +
+         join(tokens) + " --passes " + join(passes) + " --warmup " + std::to_string(run.warmup) +
+         " --iters " + std::to_string(run.iters) + " --sets 0 --json " + shell_quote(run.json_path);
+}
+
+std::string shell_quote(const std::string& text) {
+  std::string out = "'";
+  for (char c : text) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+}  // namespace pounce::cli

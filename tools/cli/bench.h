@@ -1,0 +1,138 @@
+// The method of `pounce bench` (DESIGN.md §7), apart from the command that drives it: which passes are
+// timed, how many input sets rotate so that L2 holds none of them, the useful flops and crossing bytes a
+// pass counts, the records and their same-run speed-ups, the baseline's command line. All of it but
+// measure() is pure and unit-tested without a GPU (tests/cpu/test_cli_bench.cpp).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "pounce/config.h"
+#include "pounce/shape.h"
+#include "tools/cli/inputs.h"
+#include "tools/cli/progress.h"
+#include "tools/cli/runner.h"
+
+namespace pounce::cli {
+
+// ---- what is measured ----------------------------------------------------------------------------------
+
+enum class BenchPass { kForward, kBackward, kForwardBackward };
+const char* to_string(BenchPass pass);  // "forward" | "backward" | "forward_backward", as in the records
+
+// `names` hold forward, backward, forward_backward or all (= forward, forward_backward); the result is in
+// that order, without repeats. Throws pounce::Error on any other name or an empty list.
+std::vector<BenchPass> parse_passes(const std::vector<std::string>& names);
+bool needs_backward(const std::vector<BenchPass>& passes);
+
+// Useful work of `pass` (DESIGN.md §7): the forward's flops once, backward twice, forward + backward three
+// times. No padding rows, no recompute.
+double pass_flops(BenchPass pass, double forward_flops);
+
+// A model preset by name, or a custom shape "custom:H:I:E:k[:Is]" (SwiGLU), named by that string.
+// Throws pounce::Error naming the known presets or the bad field.
+Preset bench_preset(const std::string& name);
+
+// Sets `config` up for `impl`. Throws pounce::Error for an unknown impl, and for "fused" until the fused
+// kernel is in (issue #4).
+void select_impl(const std::string& impl, Config& config);
+
+// ---- input rotation ------------------------------------------------------------------------------------
+
+inline constexpr int64_t kAssumedL2Bytes = int64_t{60} << 20;  // H200 (FACTS.md), when no GPU says
+inline constexpr int kMinInputSets = 3;                        // as the baseline's minimum
+inline constexpr int kMaxInputSets = 256;
+inline constexpr int64_t kMaxRotationBytes = int64_t{2} << 30;  // all sets of one rank together
+
+// One rank's rotated inputs: x and d_out [T,H] bf16, topk_idx [T,k] int32, topk_weights [T,k] fp32.
+int64_t input_set_bytes(const Shape& shape);
+
+// Input sets to rotate: the fewest (at least kMinInputSets) that together exceed twice the L2, so no run
+// finds the previous use of its inputs in L2; at most kMaxInputSets and kMaxRotationBytes, but never
+// fewer than 2 (then the sets alone are already far larger than L2).
+int rotation_sets(int64_t set_bytes, int64_t l2_bytes);
+
+// ---- one measured configuration ------------------------------------------------------------------------
+
+struct Measurement {
+  std::string impl;    // staged | fused (| baseline, for records read back)
+  std::string preset;  // preset name or custom spec
+  BenchPass pass = BenchPass::kForward;
+  Shape shape;  // max_tokens = tokens per rank, num_ranks = R
+  Activation activation;
+  Backend backend = Backend::kGpu;
+  int warmup = 0;
+  int iters = 0;
+  int input_sets = 1;
+  double flops = 0.0;            // useful work per rank (DESIGN.md §7), averaged over ranks
+  double crossing_bytes = 0.0;   // bytes of token rows that cross to another rank, per rank
+  std::vector<double> times_ms;  // per timed run, the slowest rank; empty when not measured
+  std::string error;             // why it was not measured
+  bool run_failed = false;       // the runs themselves failed (not only a backward that did not run)
+  std::optional<bool> repeat_bitwise_equal;  // the last run == the first on its input set (runner.h)
+};
+
+// Bytes of token rows that one forward moves between ranks, per rank: every routed pair whose expert lives
+// on another rank is pulled there (dispatch) and its output pushed back (combine), H bf16 values each way.
+// Backward moves as much again. The same count as the baseline's a2a_gbps.
+double forward_crossing_bytes_per_rank(const HostProblem& problem);
+
+// The measurements of `passes` from one outcome of forward (+ backward) runs: forward times, backward
+// times, and each run's slowest forward + backward. A backward pass whose backward did not run gets the
+// reason as its error. `common` holds the forward's flops and crossing bytes, and every other field.
+std::vector<Measurement> take_measurements(const RunOutcome& outcome, const std::vector<BenchPass>& passes,
+                                           const Measurement& common);
+
+// The measurements of `passes` when the runs could not happen: each carries `error` and run_failed.
+std::vector<Measurement> failed_measurements(const std::vector<BenchPass>& passes, const Measurement& common,
+                                             const std::string& error);
+
+// Times every pass of `passes` for `problem` with `setup`'s impl, backend, warmup, iters and input sets,
+// in one series of runs (backward runs after every forward when a pass needs it). Never throws
+// pounce::Error: a failure becomes the error of every pass, so a sweep goes on.
+std::vector<Measurement> measure(const HostProblem& problem, const Measurement& setup,
+                                 const std::vector<BenchPass>& passes, Progress* progress);
+
+// ---- records -------------------------------------------------------------------------------------------
+
+// What every record of one `pounce bench` run shares.
+struct RecordContext {
+  std::string gpu, driver, cuda, nccl, commit, command, date;
+};
+
+// A record with every key of DESIGN.md §7 (median_ms, tflops null when not measured, with "error" then),
+// speedup_vs_baseline null until apply_speedups, and the shape, timing method and crossing bandwidth.
+nlohmann::json make_record(const RecordContext& context, const Measurement& measurement);
+
+// speedup_vs_baseline of each measured record = the baseline's median_ms / its own, for the baseline record
+// of the same preset, pass, ranks and tokens per rank; 1 for baseline records; null without a match.
+void apply_speedups(nlohmann::json& records);
+
+// ---- the baseline (bench/baselines/torch_moe.py under torchrun) ----------------------------------------
+
+struct BaselineRun {
+  std::string torchrun;  // executable path
+  std::string script;
+  int ranks = 1;
+  std::vector<std::string> presets;
+  std::vector<int64_t> tokens;
+  std::vector<BenchPass> passes;
+  int warmup = 0;
+  int iters = 1;
+  std::string json_path;  // where the script writes its records
+};
+
+// The passes of `passes` that the baseline measures (forward, forward_backward).
+std::vector<BenchPass> baseline_passes(const std::vector<BenchPass>& passes);
+// The presets the baseline knows (custom specs are left out).
+std::vector<std::string> baseline_presets(const std::vector<std::string>& presets);
+// The shell command line; --sets 0 lets the script rotate enough input sets by the rule above.
+std::string baseline_command(const BaselineRun& run);
+
+std::string shell_quote(const std::string& text);
+
+}  // namespace pounce::cli
