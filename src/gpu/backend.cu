@@ -468,20 +468,32 @@ void check_forward_supported(GpuWorkspace& workspace) {
   POUNCE_CHECK(workspace.config.precision == Precision::kBF16,
                "config.precision = fp8 is not implemented on GPUs yet; use Precision::kBF16");
 }
+
+int64_t num_tokens_of(const ForwardArgs& args) {
+  return args.x.shape.empty() ? 0 : args.x.shape[0];
+}
 }  // namespace
 
 void forward(GpuWorkspace& workspace, const ForwardArgs& args, void* stream) {
   check_forward_supported(workspace);
   launch_staged_forward(workspace, args, static_cast<cudaStream_t>(stream), /*write_out=*/true);
+  workspace.context_tokens = num_tokens_of(args);
 }
 
 void recompute_forward_context(GpuWorkspace& workspace, const ForwardArgs& args, void* stream) {
   check_forward_supported(workspace);
   launch_staged_forward(workspace, args, static_cast<cudaStream_t>(stream), /*write_out=*/false);
+  workspace.context_tokens = num_tokens_of(args);
 }
 
 void backward(GpuWorkspace& workspace, const BackwardArgs& args, void* stream) {
   check_forward_supported(workspace);
+  POUNCE_CHECK(workspace.context_tokens >= 0,
+               "backward called before forward (or recompute_forward_context) on this workspace; run forward "
+               "first");
+  POUNCE_CHECK(workspace.context_tokens == num_tokens_of(args.inputs), "backward got ",
+               num_tokens_of(args.inputs), " tokens but the forward context holds ", workspace.context_tokens,
+               "; pass the inputs of the matching forward");
   launch_staged_backward(workspace, args, static_cast<cudaStream_t>(stream));
 }
 

@@ -78,6 +78,9 @@ struct GpuWorkspace {
   // back into the caller's stream with these events (captured into CUDA graphs as fork/join edges).
   cudaStream_t comm_stream = nullptr;
   std::vector<cudaEvent_t> events;
+  // Tokens of the forward whose context the workspace holds (-1: none yet). Host-side, so it also holds for
+  // calls recorded into a CUDA graph.
+  int64_t context_tokens = -1;
   uint64_t timeout_ns = 0;
 
   layout::WorkspacePointers pointers() const;

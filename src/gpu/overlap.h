@@ -4,9 +4,12 @@
 // chunks: the GEMMs of chunk c start when its rows have arrived, and its outputs leave while chunk c + 1
 // computes. Every handoff is a CUDA event, so a captured graph holds the same fork/join edges.
 //
-// Heuristic (docs/design.md, "Overlap"): comm_sms = 20 unless the config sets it (NVLink saturates with
-// 16-32 SMs of 16-byte loads/stores on H200, FACTS.md); chunks = min(El, 4) unless config.minibatch_size
-// sets the rows per chunk (chunks = ceil(max_tokens * k / minibatch_size), at most El and kMaxChunks).
+// Heuristic (docs/design.md, "Overlap"; sweep in bench/results/sweep_overlap_ep2_8192_*.txt): a routed row
+// moves 2H bytes per 6HI flops, so transfers weigh ~1/I against the GEMMs. Comm-heavy shapes (I < 1024,
+// e.g. qwen3: 768) get 20 communication SMs, the rest 12 (NVLink saturates with 16-32 SMs, FACTS.md; a
+// GEMM-bound shape loses more to the SMs it gives up than it gains); one rank moves rows within HBM and
+// gets 12. chunks = min(El, 8). config.forward/backward_comm_sms and minibatch_size (rows per chunk:
+// chunks = ceil(max_tokens * k / minibatch_size), at most El and kMaxChunks) override.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,8 +20,10 @@
 
 namespace pounce::gpu {
 
-inline constexpr int kDefaultCommSms = 20;
-inline constexpr int kDefaultChunks = 4;
+inline constexpr int kCommHeavyCommSms = 20;
+inline constexpr int kDefaultCommSms = 12;
+inline constexpr int64_t kCommHeavyIntermediate = 1024;
+inline constexpr int kDefaultChunks = 8;
 inline constexpr int kMaxChunks = 16;      // 2 events per chunk and pass fit kOverlapEvents
 inline constexpr int kCommThreads = 1024;  // one block per communication SM
 
@@ -27,7 +32,11 @@ class Overlap {
   Overlap(GpuWorkspace& workspace, cudaStream_t main, int configured_comm_sms)
       : workspace_(workspace), main_(main) {
     const int El = static_cast<int>(workspace.layout.num_local_experts);
-    comm_sms_ = configured_comm_sms > 0 ? configured_comm_sms : kDefaultCommSms;
+    const bool comm_heavy =
+        workspace.layout.num_ranks > 1 && workspace.layout.intermediate < kCommHeavyIntermediate;
+    comm_sms_ = configured_comm_sms > 0 ? configured_comm_sms
+                : comm_heavy            ? kCommHeavyCommSms
+                                        : kDefaultCommSms;
     comm_sms_ = std::clamp(comm_sms_, 1, std::max(1, workspace.num_sms / 2));
     const int64_t minibatch = workspace.config.minibatch_size;
     const int64_t pairs = workspace.layout.max_tokens * workspace.layout.num_topk;

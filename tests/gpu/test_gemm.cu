@@ -1,20 +1,29 @@
-// Grouped GEMM (kernels/gemm) against a CPU fp32-accumulate reference.
+// Grouped GEMMs (kernels/gemm) against a CPU fp32-accumulate reference.
 //
 // Reference: out[r, c] = bf16( sum_k float(A[r, k]) * float(B[group(r)][c, k]) ), ascending k, fp32.
 // Tolerance: 2 bf16 ulps of |ref| plus 1e-6 * sum_k |A B| (accumulation-order noise). Outputs are
 // poisoned with 0xFFFF (a bf16 NaN) first; rows at or beyond group_row_offset[num_groups] must stay
 // poisoned. Each case runs twice and demands bitwise-equal outputs.
+// The backward kinds the same way: activation backward (d_a through the kernel's own host act'), the
+// transposed-weight GEMM with its K range split over two tensors, and the weight gradient (a reduction over
+// each group's rows) in its three output modes against fp64 sums, with exact expectations where the result
+// is exact: zeros for an empty group, bf16 = the fp32 result rounded, accumulate = prefill + the fp32 result.
+// As the pipelined staged passes launch them, some cases run over a slice of the groups (group_row_offset
+// + first, so offset[0] > 0; rows outside the slice must stay poisoned) and on a capped grid (max_ctas).
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/gemm/activation.cuh"
@@ -79,6 +88,14 @@ struct DeviceBuffer {
   explicit DeviceBuffer(size_t count) {
     if (cudaMalloc(&ptr, count * sizeof(T) + 16) != cudaSuccess) ptr = nullptr;
   }
+  // A copy of `host`; ptr stays null when the allocation or the copy fails.
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) {
+    if (ptr != nullptr &&
+        cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice) != cudaSuccess) {
+      cudaFree(ptr);
+      ptr = nullptr;
+    }
+  }
   ~DeviceBuffer() { cudaFree(ptr); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
@@ -111,14 +128,18 @@ RefValue dot_ref(const uint16_t* a_row, const uint16_t* b_row, int64_t k) {
   return {sum, abs_sum};
 }
 
-// Returns an empty string when `got` matches bf16(ref) within tolerance, else a description.
-std::string compare(const char* name, int64_t r, int64_t c, uint16_t got, RefValue ref) {
+// Returns an empty string when `got` is within `tol` of bf16(ref), else a description.
+std::string compare_within(const char* name, int64_t r, int64_t c, uint16_t got, float ref, float tol) {
   const float g = from_bf16(got);
-  const float want = from_bf16(to_bf16(ref.sum));
-  const float tol = 2.f * bf16_ulp(ref.sum) + 1e-6f * ref.abs_sum;
+  const float want = from_bf16(to_bf16(ref));
   if (std::isfinite(g) && std::fabs(g - want) <= tol) return {};
   return std::string(name) + "[" + std::to_string(r) + ", " + std::to_string(c) + "] = " + std::to_string(g) +
          ", reference " + std::to_string(want) + " (tolerance " + std::to_string(tol) + ")";
+}
+
+// Returns an empty string when `got` matches bf16(ref) within tolerance, else a description.
+std::string compare(const char* name, int64_t r, int64_t c, uint16_t got, RefValue ref) {
+  return compare_within(name, r, c, got, ref.sum, 2.f * bf16_ulp(ref.sum) + 1e-6f * ref.abs_sum);
 }
 
 std::vector<int64_t> rows_to_check(const Problem& p) {
@@ -140,6 +161,11 @@ int64_t count_unpoisoned_tail(const std::vector<uint16_t>& out, int64_t valid_ro
   int64_t bad = 0;
   for (size_t i = static_cast<size_t>(valid_rows * n); i < out.size(); ++i) bad += out[i] != kPoison;
   return bad;
+}
+
+// Rows [0, first_row) of a [max_rows, n] output must still hold the poison pattern (a launch over a slice).
+int64_t count_unpoisoned_head(const std::vector<uint16_t>& out, int64_t first_row, int64_t n) {
+  return std::count_if(out.begin(), out.begin() + first_row * n, [](uint16_t v) { return v != kPoison; });
 }
 
 void run_grouped_gemm(const Problem& p) {
@@ -238,6 +264,251 @@ void run_gate_up(const Problem& p, const ActivationParams& act) {
   if (std::isfinite(act.clamp_limit)) EXPECT_GT(clamped, 0) << "test data never reaches the clamp";
 }
 
+// ---- backward kinds ----
+
+template <typename T>
+void upload(const DeviceBuffer<T>& device, const std::vector<T>& host) {
+  CUDA_OK(cudaMemcpy(device.ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+// Twice: `out` poisoned (or set to `start`), `launch`, GEMM error flag checked, `count` elements read back;
+// the two runs must be bitwise equal. Call through ASSERT_NO_FATAL_FAILURE.
+template <typename T>
+void run_twice(const std::function<void()>& launch, const DeviceBuffer<T>& out, size_t count,
+               std::vector<T>& result, const std::vector<T>* start = nullptr) {
+  std::vector<T> runs[2];
+  for (int run = 0; run < 2; ++run) {
+    if (start != nullptr) {
+      upload(out, *start);
+    } else {
+      CUDA_OK(cudaMemset(out.ptr, 0xFF, count * sizeof(T)));
+    }
+    launch();
+    CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_EQ(pounce::kernels::grouped_gemm_error_code(true), 0);
+    runs[run].resize(count);
+    CUDA_OK(cudaMemcpy(runs[run].data(), out.ptr, count * sizeof(T), cudaMemcpyDeviceToHost));
+  }
+  ASSERT_EQ(std::memcmp(runs[0].data(), runs[1].data(), count * sizeof(T)), 0)
+      << "two runs differ (nondeterminism)";
+  result = std::move(runs[0]);
+}
+
+// a_row[0:k] . b[k, n] (b row-major, n contiguous) for every column, fp32 ascending k, continuing from
+// `start` (empty: from zero).
+std::vector<RefValue> row_times_matrix(const uint16_t* a_row, const uint16_t* b, int64_t k, int64_t n,
+                                       std::vector<RefValue> start = {}) {
+  start.resize(n, RefValue{0.f, 0.f});
+  for (int64_t i = 0; i < k; ++i) {
+    const float a_i = from_bf16(a_row[i]);
+    for (int64_t c = 0; c < n; ++c) {
+      const float prod = a_i * from_bf16(b[i * n + c]);
+      start[c].sum += prod;
+      start[c].abs_sum += std::fabs(prod);
+    }
+  }
+  return start;
+}
+
+// d_a = bf16(A . W[group]) with W [groups, k, n] (w_down read transposed), then d_g, d_u = bf16(act'(g, u)
+// d_a), stored as the layer does: one [rows, 2n] buffer, d_g in columns [0, n), d_u in [n, 2n) (d_ld = 2n).
+// Reference: fp32 d_a rounded to bf16, then the kernel's own host act' (activation.cuh). Where the GPU's d_a
+// rounds to the neighbouring bf16 value (other accumulation order), d_g and d_u move by one d_a ulp times
+// the derivative: the tolerance allows that on top of 2 ulps of the result.
+// `first_group` > 0 launches over a slice of the groups (offsets from group_row_offset + first_group, weights
+// from the first group's matrix, as the pipelined backward does); `max_ctas` caps the persistent grid.
+void run_activation_backward(const Problem& p, const ActivationParams& act, int first_group = 0,
+                             int max_ctas = 0) {
+  const auto off = p.offsets();
+  const int num_groups = static_cast<int>(p.rows_per_group.size());
+  const int64_t n = p.n, k = p.k, d_ld = 2 * n;
+  const auto a = random_bf16(static_cast<size_t>(p.max_rows * k), 71, 1.0f);
+  const auto w = random_bf16(static_cast<size_t>(num_groups * k * n), 72, 0.25f);
+  const auto g = random_bf16(static_cast<size_t>(p.max_rows * n), 73, 2.0f);  // reaches a clamp at 1
+  const auto u = random_bf16(static_cast<size_t>(p.max_rows * n), 74, 2.0f);
+  const size_t out_count = static_cast<size_t>(p.max_rows * d_ld);
+  DeviceBuffer<uint16_t> d_a(a), d_w(w), d_g_in(g), d_u_in(u), d_out(out_count);
+  DeviceBuffer<int32_t> d_off(off);
+  ASSERT_TRUE(d_a.ptr && d_w.ptr && d_g_in.ptr && d_u_in.ptr && d_out.ptr && d_off.ptr);
+  const GroupedRows rows{p.max_rows, d_off.ptr + first_group, num_groups - first_group, max_ctas};
+  const uint16_t* w_slice = d_w.ptr + first_group * k * n;
+  std::vector<uint16_t> out;
+  ASSERT_NO_FATAL_FAILURE(run_twice(
+      [&] {
+        pounce::kernels::grouped_activation_backward(rows, d_a.ptr, w_slice, d_g_in.ptr, d_u_in.ptr,
+                                                     d_out.ptr, d_out.ptr + n, d_ld, n, k, act, nullptr);
+      },
+      d_out, out_count, out));
+  EXPECT_EQ(count_unpoisoned_tail(out, off.back(), d_ld), 0) << "rows beyond the valid range were written";
+  EXPECT_EQ(count_unpoisoned_head(out, off[first_group], d_ld), 0) << "rows before the slice were written";
+
+  int failures = 0;
+  int64_t clamped = 0;
+  for (int64_t r : rows_to_check(p)) {
+    if (r < off[first_group]) continue;
+    const int grp = group_of(off, r);
+    const std::vector<RefValue> d_a_row = row_times_matrix(&a[r * k], &w[grp * k * n], k, n);
+    for (int64_t c = 0; c < n; ++c) {
+      const float d_a_ref = from_bf16(to_bf16(d_a_row[c].sum));
+      const float gf = from_bf16(g[r * n + c]), uf = from_bf16(u[r * n + c]);
+      clamped += gf > act.clamp_limit || std::fabs(uf) > act.clamp_limit;
+      float d_g = 0.f, d_u = 0.f, slope_g = 0.f, slope_u = 0.f;
+      pounce::kernels::gemm::apply_activation_backward(gf, uf, d_a_ref, act, d_g, d_u);
+      pounce::kernels::gemm::apply_activation_backward(gf, uf, 1.0f, act, slope_g, slope_u);
+      const float d_a_slack = bf16_ulp(d_a_ref) + 1e-6f * d_a_row[c].abs_sum;
+      std::string err = compare_within("d_g", r, c, out[r * d_ld + c], d_g,
+                                       2.f * bf16_ulp(d_g) + std::fabs(slope_g) * d_a_slack);
+      if (err.empty())
+        err = compare_within("d_u", r, c, out[r * d_ld + n + c], d_u,
+                             2.f * bf16_ulp(d_u) + std::fabs(slope_u) * d_a_slack);
+      if (!err.empty() && failures++ < 5) ADD_FAILURE() << err << " (group " << grp << ")";
+    }
+  }
+  EXPECT_EQ(failures, 0);
+  if (std::isfinite(act.clamp_limit)) EXPECT_GT(clamped, 0) << "test data never reaches the clamp";
+}
+
+// C[rows, n] = A[rows, k] . [B0; B1][group]: K rows [0, k_split) from b0 [groups, k_split, n], the rest from
+// b1 [groups, k - k_split, n] (d_x = [d_g, d_u] . [w_gate; w_up]); b1 is null when k_split == k.
+// `first_group` and `max_ctas` as for run_activation_backward.
+void run_gemm_transposed(const Problem& p, int64_t k_split, int first_group = 0, int max_ctas = 0) {
+  const auto off = p.offsets();
+  const int num_groups = static_cast<int>(p.rows_per_group.size());
+  const int64_t n = p.n, k = p.k, k1 = k - k_split;
+  const auto a = random_bf16(static_cast<size_t>(p.max_rows * k), 75, 1.0f);
+  const auto b0 = random_bf16(static_cast<size_t>(num_groups * k_split * n), 76, 0.25f);
+  const auto b1 = random_bf16(static_cast<size_t>(num_groups * k1 * n), 77, 0.25f);
+  const size_t out_count = static_cast<size_t>(p.max_rows * n);
+  DeviceBuffer<uint16_t> d_a(a), d_b0(b0), d_b1(b1), d_c(out_count);
+  DeviceBuffer<int32_t> d_off(off);
+  ASSERT_TRUE(d_a.ptr && d_b0.ptr && d_b1.ptr && d_c.ptr && d_off.ptr);
+  const GroupedRows rows{p.max_rows, d_off.ptr + first_group, num_groups - first_group, max_ctas};
+  const uint16_t* b0_slice = d_b0.ptr + first_group * k_split * n;
+  const uint16_t* b1_slice = k1 > 0 ? d_b1.ptr + first_group * k1 * n : nullptr;
+  std::vector<uint16_t> out;
+  ASSERT_NO_FATAL_FAILURE(run_twice(
+      [&] {
+        pounce::kernels::grouped_gemm_transposed(rows, d_a.ptr, b0_slice, b1_slice, k_split, d_c.ptr, n, k,
+                                                 nullptr);
+      },
+      d_c, out_count, out));
+  EXPECT_EQ(count_unpoisoned_tail(out, off.back(), n), 0) << "rows beyond the valid range were written";
+  EXPECT_EQ(count_unpoisoned_head(out, off[first_group], n), 0) << "rows before the slice were written";
+
+  int failures = 0;
+  for (int64_t r : rows_to_check(p)) {
+    if (r < off[first_group]) continue;
+    const int grp = group_of(off, r);
+    // Both K ranges into one fp32 accumulator per column, ascending k.
+    std::vector<RefValue> ref = row_times_matrix(&a[r * k], &b0[grp * k_split * n], k_split, n);
+    if (k1 > 0) ref = row_times_matrix(&a[r * k + k_split], &b1[grp * k1 * n], k1, n, std::move(ref));
+    for (int64_t c = 0; c < n; ++c) {
+      const std::string err = compare("C", r, c, out[r * n + c], ref[c]);
+      if (!err.empty() && failures++ < 5) ADD_FAILURE() << err << " (group " << grp << ")";
+    }
+  }
+  EXPECT_EQ(failures, 0);
+}
+
+// grouped_weight_grad in its three output modes, each run twice: fp32 store, bf16 store, and fp32 accumulate
+// into `prefill` ([num_groups, m, n]).
+struct WeightGradRuns {
+  std::vector<float> store32, accumulated;
+  std::vector<uint16_t> store16;
+};
+void run_weight_grad_modes(const GroupedRows& rows, const uint16_t* a, int64_t a_ld, int64_t m,
+                           const uint16_t* b, int64_t b_ld, int64_t n, const std::vector<float>& prefill,
+                           WeightGradRuns& runs) {
+  using pounce::kernels::WeightGradMode;
+  DeviceBuffer<uint16_t> d16(prefill.size());
+  DeviceBuffer<float> d32(prefill.size());
+  ASSERT_TRUE(d16.ptr && d32.ptr);
+  auto launch = [&](void* d, WeightGradMode mode) {
+    return [&, d, mode] {
+      pounce::kernels::grouped_weight_grad(rows, a, a_ld, m, b, b_ld, n, d, mode, nullptr);
+    };
+  };
+  ASSERT_NO_FATAL_FAILURE(
+      run_twice(launch(d32.ptr, WeightGradMode::kStoreF32), d32, prefill.size(), runs.store32));
+  ASSERT_NO_FATAL_FAILURE(
+      run_twice(launch(d16.ptr, WeightGradMode::kStoreBf16), d16, prefill.size(), runs.store16));
+  ASSERT_NO_FATAL_FAILURE(run_twice(launch(d32.ptr, WeightGradMode::kAccumulateF32), d32, prefill.size(),
+                                    runs.accumulated, &prefill));
+}
+
+// D[g][i, j] = sum over the rows r of group g of A[r, i] B[r, j], in the three output modes. A is the second
+// half of [rows, 2m] rows (a = base + m, a_ld = 2m, as d_u inside [d_g, d_u]); its first half, and every row
+// of A and B past the last group, hold NaNs, so reading them shows. B rows are b_ld = n + 64 apart.
+// fp32: within 1e-5 * sum |A B| of the fp64 sum; an empty group exactly zero. bf16: exactly the fp32 result
+// rounded. Accumulate into random fp32 values: exactly prefill + the fp32 result (one fp32 addition), so an
+// empty group leaves its prefill untouched.
+void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_rows, int64_t m, int64_t n,
+                     int max_ctas = 0) {
+  const auto off = Problem{rows_per_group, max_rows, n, m}.offsets();
+  const int num_groups = static_cast<int>(rows_per_group.size());
+  const int64_t a_ld = 2 * m, b_ld = n + 64;
+  auto a = random_bf16(static_cast<size_t>(max_rows * a_ld), 81, 1.0f);
+  auto b = random_bf16(static_cast<size_t>(max_rows * b_ld), 82, 1.0f);
+  for (int64_t r = 0; r < max_rows; ++r) {
+    std::fill_n(a.begin() + r * a_ld, r < off.back() ? m : a_ld, kPoison);
+    if (r >= off.back()) std::fill_n(b.begin() + r * b_ld, b_ld, kPoison);
+  }
+  const size_t d_count = static_cast<size_t>(num_groups * m * n);
+  std::vector<float> prefill(d_count);
+  std::mt19937 gen(83);
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  for (float& v : prefill) v = dist(gen);
+  DeviceBuffer<uint16_t> d_a(a), d_b(b);
+  DeviceBuffer<int32_t> d_off(off);
+  ASSERT_TRUE(d_a.ptr && d_b.ptr && d_off.ptr);
+  WeightGradRuns runs;
+  ASSERT_NO_FATAL_FAILURE(run_weight_grad_modes({max_rows, d_off.ptr, num_groups, max_ctas}, d_a.ptr + m,
+                                                a_ld, m, d_b.ptr, b_ld, n, prefill, runs));
+  const std::vector<float>& store32 = runs.store32;
+  const std::vector<float>& accumulated = runs.accumulated;
+  const std::vector<uint16_t>& store16 = runs.store16;
+
+  int failures = 0;
+  auto fail = [&](const std::string& what, int g, int64_t i, int64_t j) {
+    if (failures++ < 5) ADD_FAILURE() << what << " at D[" << g << "][" << i << ", " << j << "]";
+  };
+  std::vector<double> sum(m * n), abs_sum(m * n);  // one group's fp64 sums, ascending rows
+  for (int g = 0; g < num_groups; ++g) {
+    std::fill(sum.begin(), sum.end(), 0.0);
+    std::fill(abs_sum.begin(), abs_sum.end(), 0.0);
+    for (int64_t r = off[g]; r < off[g + 1]; ++r) {
+      for (int64_t i = 0; i < m; ++i) {
+        const double a_ri = from_bf16(a[r * a_ld + m + i]);
+        for (int64_t j = 0; j < n; ++j) {
+          const double prod = a_ri * from_bf16(b[r * b_ld + j]);
+          sum[i * n + j] += prod;
+          abs_sum[i * n + j] += std::fabs(prod);
+        }
+      }
+    }
+    const bool empty = off[g] == off[g + 1];
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        const size_t at = static_cast<size_t>((g * m + i) * n + j);
+        const float got = store32[at];
+        if (empty ? got != 0.f : !(std::fabs(got - sum[i * n + j]) <= 1e-5 * abs_sum[i * n + j])) {
+          fail("fp32 " + std::to_string(got) + " vs fp64 reference " + std::to_string(sum[i * n + j]) +
+                   (empty ? " (empty group: must be 0)" : ""),
+               g, i, j);
+        }
+        if (store16[at] != to_bf16(got))
+          fail("bf16 " + std::to_string(from_bf16(store16[at])) + " is not the fp32 result rounded", g, i, j);
+        const float want = prefill[at] + got;
+        if (std::memcmp(&accumulated[at], &want, sizeof(float)) != 0)
+          fail("accumulated " + std::to_string(accumulated[at]) + " is not prefill + fp32 result " +
+                   std::to_string(want),
+               g, i, j);
+      }
+    }
+  }
+  EXPECT_EQ(failures, 0);
+}
+
 TEST(GroupedGemm, EmptyGroupsEdgeTileAndPoisonedTail) {
   SKIP_WITHOUT_GPU();
   // n = 192: one 256-wide tile with its last 64 columns masked; first, middle and last groups empty.
@@ -292,6 +563,60 @@ TEST(GroupedGateUp, GptOssClampN2880) {
   // gpt-oss-120b widths: n = k = 2880 (22.5 tiles of 128), sampled rows.
   run_gate_up(Problem{{128, 0, 128}, 384, 2880, 2880, 11},
               ActivationParams{pounce::kernels::kActivationGptOss, 0.75f, 1.702f});
+}
+
+TEST(GroupedActivationBackward, SwiGLUPartialTileEmptyGroup) {
+  SKIP_WITHOUT_GPU();
+  // n = 192: the 256-wide tile has its last 64 columns masked; k = 320: five K blocks; spare capacity.
+  run_activation_backward(
+      Problem{{128, 0, 384}, 640, 192, 320},
+      ActivationParams{pounce::kernels::kActivationSwiGLU, std::numeric_limits<float>::infinity(), 1.f});
+}
+
+// A pipeline chunk: groups 1..3 of 4 (its first group empty), rows of group 0 untouched; 3 CTAs loop over
+// the tiles.
+TEST(GroupedActivationBackward, GptOssClampSliceOfGroupsCappedGrid) {
+  SKIP_WITHOUT_GPU();
+  run_activation_backward(Problem{{256, 0, 128, 256}, 768, 320, 256},
+                          ActivationParams{pounce::kernels::kActivationGptOss, 1.0f, 1.702f}, 1, 3);
+}
+
+TEST(GroupedGemmTransposed, KSplitOverTwoTensorsPartialTile) {
+  SKIP_WITHOUT_GPU();
+  // d_x shape: n = H = 320 (256 + a 64-column tile), k = 2I = 384 split at I = 192.
+  run_gemm_transposed(Problem{{256, 0, 128, 384}, 896, 320, 384}, 192);
+}
+
+TEST(GroupedGemmTransposed, OneTensorWhenKSplitIsKSliceOfGroupsCappedGrid) {
+  SKIP_WITHOUT_GPU();
+  run_gemm_transposed(Problem{{128, 256, 0, 128}, 640, 192, 256}, 256, 1, 2);
+}
+
+TEST(GroupedWeightGrad, ThreeModesEmptyGroupPartialTiles) {
+  SKIP_WITHOUT_GPU();
+  // m = 192 and n = 320: partial tiles in both output dimensions; groups of 128, 0, 384 and 256 rows.
+  run_weight_grad({128, 0, 384, 256}, 1024, 192, 320);
+}
+
+// 4 groups x 2 m-blocks x 2 n-blocks on a grid capped at 5 CTAs: each CTA loops over several tiles.
+TEST(GroupedWeightGrad, FiveCtasLoopOverSixteenTiles) {
+  SKIP_WITHOUT_GPU();
+  run_weight_grad({256, 0, 128, 128}, 640, 192, 320, 5);
+}
+
+TEST(GroupedWeightGrad, ZeroCapacityStillOwesZeros) {
+  SKIP_WITHOUT_GPU();
+  const int64_t m = 64, n = 128, count = 2 * m * n;
+  DeviceBuffer<uint16_t> d_rows(64);
+  DeviceBuffer<int32_t> d_off(std::vector<int32_t>(3, 0));
+  ASSERT_TRUE(d_rows.ptr && d_off.ptr);
+  const std::vector<float> prefill(count, 0.5f);
+  WeightGradRuns runs;
+  ASSERT_NO_FATAL_FAILURE(
+      run_weight_grad_modes({0, d_off.ptr, 2}, d_rows.ptr, m, m, d_rows.ptr, n, n, prefill, runs));
+  EXPECT_TRUE(runs.store32 == std::vector<float>(count, 0.f)) << "fp32 store must write zeros";
+  EXPECT_TRUE(runs.store16 == std::vector<uint16_t>(count, 0)) << "bf16 store must write zeros";
+  EXPECT_TRUE(runs.accumulated == prefill) << "accumulate must leave main_grad untouched";
 }
 
 }  // namespace
