@@ -1,0 +1,260 @@
+"""pounce.torch.MoE: the routed experts (and optional shared expert) of one MoE layer as an nn.Module."""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+import pounce
+
+from . import _ops, _registry
+
+
+def _activation(activation) -> pounce.Activation:
+    if isinstance(activation, pounce.Activation):
+        return activation
+    if activation == "swiglu":
+        return pounce.Activation.swiglu()
+    if activation in ("gpt_oss", "gpt-oss"):
+        return pounce.Activation.gpt_oss()
+    raise pounce.PounceError(
+        f"pounce: activation {activation!r} is unknown; pass 'swiglu', 'gpt_oss' or a pounce.Activation"
+    )
+
+
+def _copy_config(config: pounce.Config) -> pounce.Config:
+    return pounce.Config(
+        forward_comm_sms=config.forward_comm_sms,
+        backward_comm_sms=config.backward_comm_sms,
+        minibatch_size=config.minibatch_size,
+        macrobatch_size=config.macrobatch_size,
+        activation=config.activation,
+        precision=config.precision,
+        deterministic=config.deterministic,
+        backend=config.backend,
+    )
+
+
+class MoE(nn.Module):
+    """The layer after the router: ``out = shared(x) + sum_j topk_weights[:, j] * expert[topk_idx[:, j]](x)``.
+
+    Holds this rank's ``El = num_experts / R`` routed experts as stacked parameters ``w_gate``/``w_up``
+    ``[El, I, H]`` and ``w_down [El, H, I]`` (nn.Linear's out x in layout) and, when
+    ``shared_intermediate > 0``, the shared expert ``ws_gate``/``ws_up [Is, H]``, ``ws_down [H, Is]``.
+    Expert ``e`` (global id) lives on rank ``e // El``. In ``state_dict`` every expert is its own entry
+    under its global id, as Hugging Face MoE models name them: ``experts.{e}.gate_proj.weight`` ``[I, H]``,
+    ``experts.{e}.up_proj.weight``, ``experts.{e}.down_proj.weight`` ``[H, I]``,
+    ``shared_expert.{gate,up,down}_proj.weight``; loading takes this rank's experts from a full
+    checkpoint and ignores the others'.
+
+    ``activation``: 'swiglu' (default), 'gpt_oss' (clamp 7, alpha 1.702) or a :class:`pounce.Activation`
+    (overrides ``config.activation``). ``group``: a :class:`pounce.Group`, a torch.distributed process
+    group (its ranks are the EP group), or None (the default process group when initialised, else one
+    rank). ``max_tokens`` bounds the tokens per rank and call (the workspace is sized for it).
+    Parameters are ``dtype`` (bf16, or fp32 master weights: the kernels read bf16 copies and the
+    gradients arrive in fp32). Weight gradients land in ``.grad``; with ``accumulate_main_grad=True``
+    they are added into each parameter's fp32 ``main_grad`` instead (:meth:`init_main_grad` allocates
+    them) and ``.grad`` stays None.
+
+    Layers with equal shape, config and group share one workspace (``share_workspace=True``, the
+    default): backward then recomputes the forward context when another layer ran forward in between,
+    as activation checkpointing does. ``share_workspace=False`` trades a workspace per layer for it.
+
+    ``forward(x [..., H], topk_idx [..., k], topk_weights [..., k])``: x of any float dtype (computed
+    in bf16, returned in x's dtype), topk_idx int32/int64 global expert ids (-1 = unused slot),
+    topk_weights used as given (not normalised).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        num_topk: int,
+        *,
+        max_tokens: int,
+        shared_intermediate: int = 0,
+        group=None,
+        activation: Union[str, pounce.Activation, None] = None,
+        config: Optional[pounce.Config] = None,
+        share_workspace: bool = True,
+        accumulate_main_grad: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+        init_seed: Optional[int] = None,
+    ):
+        super().__init__()
+        config = _copy_config(config if config is not None else pounce.Config())
+        if activation is not None:
+            config.activation = _activation(activation)
+        self.hidden, self.intermediate = hidden, intermediate
+        self.num_experts, self.num_topk = num_experts, num_topk
+        self.shared_intermediate, self.max_tokens = shared_intermediate, max_tokens
+        self.num_ranks = _registry.group_size(group)
+        self.rank = _registry.group_rank(group)
+        if num_experts % self.num_ranks != 0:
+            raise pounce.PounceError(
+                f"pounce: num_experts = {num_experts} is not divisible by the EP group's {self.num_ranks} ranks"
+            )
+        self.num_local_experts = num_experts // self.num_ranks
+        self.accumulate_main_grad = accumulate_main_grad
+        self.layer = _registry.register_layer(
+            hidden=hidden,
+            intermediate=intermediate,
+            num_experts=num_experts,
+            num_topk=num_topk,
+            max_tokens=max_tokens,
+            shared_intermediate=shared_intermediate,
+            config=config,
+            group=group,
+            share_workspace=share_workspace,
+        )
+        weakref.finalize(self, _registry.unregister_layer, self.layer)
+
+        El, I, H, Is = self.num_local_experts, intermediate, hidden, shared_intermediate
+        factory = dict(dtype=dtype, device=device)
+        self.w_gate = nn.Parameter(torch.empty(El, I, H, **factory))
+        self.w_up = nn.Parameter(torch.empty(El, I, H, **factory))
+        self.w_down = nn.Parameter(torch.empty(El, H, I, **factory))
+        if Is > 0:
+            self.ws_gate = nn.Parameter(torch.empty(Is, H, **factory))
+            self.ws_up = nn.Parameter(torch.empty(Is, H, **factory))
+            self.ws_down = nn.Parameter(torch.empty(H, Is, **factory))
+        else:
+            self.register_parameter("ws_gate", None)
+            self.register_parameter("ws_up", None)
+            self.register_parameter("ws_down", None)
+        self.reset_parameters(init_seed)
+
+    @property
+    def first_expert(self) -> int:
+        """Global id of this rank's first expert."""
+        return self.rank * self.num_local_experts
+
+    def reset_parameters(self, seed: Optional[int] = None) -> None:
+        """nn.Linear's default init per expert: uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) (kaiming_uniform
+        with a = sqrt(5)). With ``seed`` every expert draws from its own generator seeded by (seed,
+        global id), so the model is the same whatever the number of ranks."""
+
+        def fill(weight: Tensor, fan_in: int, stream: int) -> None:
+            bound = 1.0 / math.sqrt(fan_in)
+            if seed is None:
+                nn.init.uniform_(weight, -bound, bound)
+                return
+            generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + stream)
+            values = torch.empty(weight.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+            weight.copy_(values)
+
+        with torch.no_grad():
+            for e in range(self.num_local_experts):
+                g = self.first_expert + e
+                fill(self.w_gate[e], self.hidden, 3 * g)
+                fill(self.w_up[e], self.hidden, 3 * g + 1)
+                fill(self.w_down[e], self.intermediate, 3 * g + 2)
+            if self.ws_gate is not None:
+                base = 3 * self.num_experts
+                fill(self.ws_gate, self.hidden, base)
+                fill(self.ws_up, self.hidden, base + 1)
+                fill(self.ws_down, self.shared_intermediate, base + 2)
+
+    def init_main_grad(self) -> None:
+        """Allocates a zero fp32 ``main_grad`` next to every parameter (for accumulate_main_grad)."""
+        for p in self.parameters():
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+
+    def forward(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Tensor:
+        H, k = self.hidden, self.num_topk
+        x2 = x.reshape(-1, H)
+        if x2.dtype != torch.bfloat16:
+            x2 = x2.to(torch.bfloat16)
+        idx = topk_idx.reshape(-1, k).contiguous()
+        weights = topk_weights.reshape(-1, k)
+        if weights.dtype != torch.float32:
+            weights = weights.to(torch.float32)
+        main_grads = None
+        if self.accumulate_main_grad:
+            main_grads = tuple(getattr(p, "main_grad", None) if p is not None else None for p in self._weights())
+            if any(g is None for g, p in zip(main_grads, self._weights()) if p is not None):
+                raise pounce.PounceError(
+                    "pounce: accumulate_main_grad=True but a parameter has no main_grad; call init_main_grad()"
+                )
+        out = _ops.moe(
+            x2.contiguous(),
+            idx,
+            weights.contiguous(),
+            self.w_gate,
+            self.w_up,
+            self.w_down,
+            self.ws_gate,
+            self.ws_up,
+            self.ws_down,
+            layer=self.layer,
+            main_grads=main_grads,
+        )
+        return out.view(x.shape).to(x.dtype)
+
+    def _weights(self):
+        return (self.w_gate, self.w_up, self.w_down, self.ws_gate, self.ws_up, self.ws_down)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "
+            f"num_topk={self.num_topk}, shared_intermediate={self.shared_intermediate}, "
+            f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of rank "
+            f"{self.rank}/{self.num_ranks}, max_tokens={self.max_tokens}"
+        )
+
+    # -- state_dict: one entry per expert ---------------------------------------------------------
+
+    _PROJ = (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
+    _SHARED = (("ws_gate", "gate_proj"), ("ws_up", "up_proj"), ("ws_down", "down_proj"))
+
+    def _expert_keys(self, prefix: str):
+        for e in range(self.num_local_experts):
+            for name, proj in self._PROJ:
+                yield f"{prefix}experts.{self.first_expert + e}.{proj}.weight", name, e
+        if self.ws_gate is not None:
+            for name, proj in self._SHARED:
+                yield f"{prefix}shared_expert.{proj}.weight", name, None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for key, name, e in self._expert_keys(prefix):
+            param = getattr(self, name)
+            value = param if e is None else param[e]
+            destination[key] = value if keep_vars else value.detach()
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        expected = set()
+        with torch.no_grad():
+            for key, name, e in self._expert_keys(prefix):
+                expected.add(key)
+                if key not in state_dict:
+                    missing_keys.append(key)
+                    continue
+                param = getattr(self, name)
+                target = param if e is None else param[e]
+                value = state_dict[key]
+                if tuple(value.shape) != tuple(target.shape):
+                    error_msgs.append(
+                        f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
+                        f"the shape in the current model is {tuple(target.shape)}."
+                    )
+                    continue
+                target.copy_(value)
+        if strict:
+            for key in state_dict:
+                if not key.startswith(prefix) or key in expected:
+                    continue
+                rest = key[len(prefix):]
+                if rest.startswith("experts.") and self._is_other_ranks_expert(rest):
+                    continue  # a full checkpoint holds every rank's experts
+                unexpected_keys.append(key)
+
+    def _is_other_ranks_expert(self, rest: str) -> bool:
+        parts = rest.split(".")
+        return len(parts) == 4 and parts[1].isdigit() and 0 <= int(parts[1]) < self.num_experts

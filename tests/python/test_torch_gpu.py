@@ -1,0 +1,285 @@
+"""pounce.torch on GPUs: forward and every gradient against a plain PyTorch reference, determinism,
+torch.compile(fullgraph=True), CUDA graph capture replayed with new routing, wrong inputs.
+
+One process per GPU, the EP group over torch.distributed:
+
+    torchrun --nproc-per-node=2 -m pytest -q -p no:cacheprovider tests/python/test_torch_gpu.py
+
+(plain ``pytest`` runs it on one GPU, EP = 1). Every rank builds every rank's inputs from the same seed,
+so the reference needs no communication; each test agrees on pass/fail over the ranks before failing,
+so one rank's failure does not leave the others waiting in a collective. Skips without CUDA, torch,
+or a CUDA build of pounce.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+pounce = pytest.importorskip("pounce", reason="the pounce Python module is not installed (pip install .)")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+if not pounce.build_info()["cuda"]:
+    pytest.skip("pounce was built without CUDA (no nvcc at build time)", allow_module_level=True)
+
+import torch.distributed as dist  # noqa: E402
+
+import pounce.torch as pt  # noqa: E402
+from moe_reference import check_close  # noqa: E402
+from torch_reference import group_reference  # noqa: E402
+
+H, I, E, K, IS = 256, 128, 8, 2, 128
+MAX_TOKENS = 512
+
+
+@pytest.fixture(scope="module")
+def world():
+    """(rank, num_ranks, device); initialises the NCCL process group under torchrun."""
+    num_ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    if num_ranks > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=device)
+    yield rank, num_ranks, device
+    pt.free_workspaces()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def require(condition, message):
+    assert condition, message
+
+
+def agree(check):
+    """Runs ``check`` (raises AssertionError) and fails on every rank when it failed on any."""
+    error = None
+    try:
+        check()
+    except (AssertionError, pytest.fail.Exception) as e:
+        error = e
+    if dist.is_initialized():
+        flag = torch.tensor([0 if error is None else 1], device="cuda")
+        dist.all_reduce(flag)
+        failed_elsewhere = flag.item() > 0
+    else:
+        failed_elsewhere = False
+    if error is not None:
+        raise error
+    if failed_elsewhere:
+        pytest.fail("another rank failed this check (see its output)")
+
+
+def make_inputs(num_ranks, tokens, seed, shared=0, one_expert=None, device="cuda"):
+    """Every rank's inputs, the same on every rank; routed weights for all E experts."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def bf16(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).to(device)
+
+    inputs = []
+    for r in range(num_ranks):
+        T = tokens[r % len(tokens)]
+        idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T else \
+            torch.zeros(0, K, dtype=torch.int64)
+        idx[torch.rand(T, K, generator=gen) < 0.15] = -1
+        if one_expert is not None:
+            idx[:] = -1
+            idx[:, 0] = one_expert
+        inputs.append((bf16(T, H), idx.to(device), (0.1 + torch.rand(T, K, generator=gen)).to(device),
+                       bf16(T, H)))
+    routed = (bf16(E, I, H, scale=H**-0.5), bf16(E, I, H, scale=H**-0.5), bf16(E, H, I, scale=I**-0.5))
+    shared_w = (bf16(shared, H, scale=H**-0.5), bf16(shared, H, scale=H**-0.5),
+                bf16(H, shared, scale=shared**-0.5)) if shared else None
+    return inputs, routed, shared_w
+
+
+def state_dict_of(routed, shared):
+    state = {}
+    for e in range(E):
+        for proj, w in zip(("gate_proj", "up_proj", "down_proj"), routed):
+            state[f"experts.{e}.{proj}.weight"] = w[e]
+    if shared is not None:
+        for proj, w in zip(("gate_proj", "up_proj", "down_proj"), shared):
+            state[f"shared_expert.{proj}.weight"] = w
+    return state
+
+
+def make_module(routed, shared, **kwargs):
+    module = pt.MoE(H, I, E, K, max_tokens=MAX_TOKENS, shared_intermediate=shared[0].shape[0] if shared else 0,
+                    device="cuda", **kwargs)
+    module.load_state_dict(state_dict_of(routed, shared))
+    return module
+
+
+def step(module, x, idx, weights, d_out, fn=None):
+    """forward + backward with loss <out, d_out>; returns out and every gradient."""
+    module.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    weights = weights.clone().requires_grad_()
+    out = (fn or module)(x, idx, weights)
+    (out.float() * d_out.float()).sum().backward()
+    grads = [p.grad for p in module.parameters()]
+    return [out.detach(), x.grad, weights.grad] + grads
+
+
+def check_against_reference(rank, module, got, inputs, routed, shared, act=None):
+    ref64 = group_reference([tuple(t.cpu() for t in i) for i in inputs], [w.cpu() for w in routed],
+                            [w.cpu() for w in shared] if shared else None, torch.float64, act)[rank]
+    refb = group_reference(inputs, routed, shared, torch.bfloat16, act)[rank]
+    lo, hi = module.first_expert, module.first_expert + module.num_local_experts
+    names = ["out", "d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down"]
+    exact = [ref64["out"], ref64["d_x"], ref64["d_topk_weights"]] + [w[lo:hi] for w in ref64["d_routed"]]
+    noisy = [refb["out"], refb["d_x"], refb["d_topk_weights"]] + [w[lo:hi] for w in refb["d_routed"]]
+    if shared:
+        names += ["d_ws_gate", "d_ws_up", "d_ws_down"]
+        exact += ref64["d_shared"]
+        noisy += refb["d_shared"]
+
+    def check():
+        for name, g, e, b in zip(names, got, exact, noisy):
+            check_close(f"rank {rank} {name}", g.double().cpu().numpy(), e.double().cpu().numpy(),
+                        b.double().cpu().numpy())
+
+    agree(check)
+
+
+@pytest.mark.parametrize("shared", [0, IS])
+@pytest.mark.parametrize("tokens", [[300, 170], [0, 129], [1, 512]])
+def test_forward_and_gradients_match_pytorch(world, tokens, shared):
+    rank, R, _ = world
+    inputs, routed, shared_w = make_inputs(R, tokens, seed=tokens[0] + shared, shared=shared)
+    module = make_module(routed, shared_w)
+    got = step(module, *inputs[rank])
+    check_against_reference(rank, module, got, inputs, routed, shared_w)
+    again = step(module, *inputs[rank])
+    agree(lambda: require(all(torch.equal(a, b) for a, b in zip(got, again)), "two runs differ (determinism)"))
+
+
+def test_gpt_oss_and_all_tokens_to_one_expert(world):
+    rank, R, _ = world
+    inputs, routed, _ = make_inputs(R, [257, 64], seed=5, one_expert=E - 1)
+    module = make_module(routed, None, activation="gpt_oss")
+    got = step(module, *inputs[rank])
+    check_against_reference(rank, module, got, inputs, routed, None, dict(kind="gpt_oss", limit=7.0))
+
+
+def test_compile_fullgraph_matches_eager(world):
+    rank, R, _ = world
+    torch._dynamo.reset()
+    inputs, routed, shared_w = make_inputs(R, [200, 100], seed=7, shared=IS)
+    module = make_module(routed, shared_w)
+
+    def around(m):  # exact elementwise work around the layer, fused by inductor
+        return lambda x, idx, w: m(x * 2, idx, w * 0.5) * 2
+
+    eager = step(module, *inputs[rank], fn=around(module))
+    compiled = torch.compile(around(module), fullgraph=True)
+    got = step(module, *inputs[rank], fn=compiled)
+    agree(lambda: [require(torch.equal(a, b), f"tensor {i} differs from eager") for i, (a, b) in
+                   enumerate(zip(eager, got))])
+
+
+def test_cuda_graph_replay_with_new_routing_matches_eager(world):
+    """Two layers sharing a workspace (so backward recomputes a context inside the graph): one
+    forward+backward captured, replayed with new routing copied into the captured inputs."""
+    rank, R, device = world
+    inputs, routed, shared_w = make_inputs(R, [384, 256], seed=11, shared=IS)
+    layers = [make_module(routed, shared_w), make_module(routed, shared_w)]
+    params = [p for layer in layers for p in layer.parameters()]
+
+    def model(x, idx, weights):
+        return layers[1](layers[0](x, idx, weights), idx.flip(0), weights)
+
+    x0, idx0, w0, d0 = inputs[rank]
+    static = dict(x=x0.clone().requires_grad_(), idx=idx0.clone(), w=w0.clone().requires_grad_(), d=d0.clone())
+
+    def graph_step():
+        out = model(static["x"], static["idx"], static["w"])
+        (out.float() * static["d"].float()).sum().backward()
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up: groups, workspaces, autograd state
+            for t in params + [static["x"], static["w"]]:
+                t.grad = None
+            graph_step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in params + [static["x"], static["w"]]:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = graph_step()
+    captured = [static_out, static["x"].grad, static["w"].grad] + [p.grad for p in params]
+
+    for seed in (21, 22, 23):
+        new_inputs, _, _ = make_inputs(R, [384, 256], seed=seed)
+        x, idx, weights, d_out = new_inputs[rank]
+        static["x"].data.copy_(x)
+        static["idx"].copy_(idx)
+        static["w"].data.copy_(weights)
+        static["d"].copy_(d_out)
+        graph.replay()
+        replayed = [t.clone() for t in captured]
+        for p in params:
+            p.grad = None
+        xx, ww = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = model(xx, idx, ww)
+        (out.float() * d_out.float()).sum().backward()
+        eager = [out.detach(), xx.grad, ww.grad] + [p.grad for p in params]
+        pairs = list(zip(replayed, eager))
+        agree(lambda seed=seed, pairs=pairs: [
+            require(torch.equal(a, b), f"seed {seed}: tensor {i} differs from eager") for i, (a, b) in enumerate(pairs)
+        ])
+
+
+def test_workspace_shared_across_layers_and_ep_group_cached(world):
+    rank, R, _ = world
+    pt.free_workspaces()
+    inputs, routed, _ = make_inputs(R, [64, 32], seed=3)
+    a, b = make_module(routed, None), make_module(routed, None)
+    step(a, *inputs[rank])
+    step(b, *inputs[rank])
+    stats = pt.workspace_stats()
+    agree(lambda: require(len(stats) == 1 and stats[0]["forwards"] == 2, f"one shared workspace expected: {stats}"))
+    if R > 1:
+        agree(lambda: require(pt.ep_group() is pt.ep_group(), "ep_group() is not cached"))
+
+
+def test_wrong_inputs_raise_clear_errors(world):
+    """Every rank makes the same mistake, so every rank fails on the host before launching."""
+    rank, R, _ = world
+    inputs, routed, _ = make_inputs(R, [64, 64], seed=4)
+    x, idx, weights, _ = inputs[rank]
+    layer = pt.register_layer(hidden=H, intermediate=I, num_experts=E, num_topk=K, max_tokens=MAX_TOKENS)
+    El = E // R
+    local = [w[rank * El:(rank + 1) * El].contiguous() for w in routed]
+    pt.moe(x, idx, weights, *local, layer=layer)  # creates the workspace
+    cases = [
+        (dict(x=x.float()), "argument 'x'.*bf16"),
+        (dict(x=x.cpu()), "'x'.*cpu.*move it"),
+        (dict(x=torch.cat([x] * (MAX_TOKENS // 64 + 1))), "max_tokens"),
+        (dict(x=x.t().contiguous().t()), "'x' is not contiguous"),
+        (dict(topk_weights=weights.half()), "topk_weights"),
+        (dict(w_up=local[1][:, :, :64].contiguous()), "'routed.up'"),
+    ]
+    messages = []
+    for override, needle in cases:
+        args = dict(x=x, topk_idx=idx, topk_weights=weights, w_gate=local[0], w_up=local[1], w_down=local[2])
+        args.update(override)
+        try:
+            pt.moe(**args, layer=layer)
+            messages.append((needle, None))
+        except pounce.PounceError as error:
+            messages.append((needle, str(error)))
+
+    def check():
+        import re
+        for needle, message in messages:
+            assert message is not None and re.search(needle, message), f"expected /{needle}/, got {message!r}"
+
+    agree(check)
+    pt.unregister_layer(layer)
