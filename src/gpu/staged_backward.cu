@@ -21,6 +21,7 @@
 #include "kernels/gemm/grouped_gemm.h"
 #include "src/gpu/gpu_state.h"
 #include "src/gpu/overlap.h"
+#include "src/gpu/stage_timer.h"
 
 namespace pounce::gpu {
 namespace {
@@ -97,6 +98,7 @@ void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, c
   const kernels::ActivationParams activation = activation_params(workspace.config.activation);
   const int copy_grid = workspace.num_sms * 4;
 
+  StageTimer timer("backward", p.rank, stream);
   // 1. Token side: stage d_out and the router weights for the owners' pulls; router gradient from the
   //    forward's slots; barrier.
   reverse_combine::stage_inputs_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(
@@ -105,7 +107,9 @@ void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, c
     reverse_combine::router_grad_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(
         p, args.d_out.data, args.d_topk_weights.as<float>(), num_tokens);
   }
+  timer.mark("stage+router_grad");
   launch_barrier(p, layout::WaitId::kBackwardInputsBarrier, stream);
+  timer.mark("barrier");
   POUNCE_CUDA(cudaGetLastError());
 
   // 2-4 overlapped (src/gpu/overlap.h): the comm stream pulls chunk c's scaled d_out rows while earlier
@@ -138,6 +142,7 @@ void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, c
   if (Is > 0 && num_tokens > 0) launch_mlp_data_grads(shared, 0, 1, H, activation, stream);
   if (Is > 0) launch_mlp_weight_grads(shared, H, args.accumulate_weight_grads, stream);
 
+  timer.mark("shared");
   // Routed experts, chunk by chunk: data gradients, then the reverse-dispatch push on the comm stream.
   const MlpBackward routed{{p.rows_capacity, p.group_row_offset, p.num_local_experts, overlap.gemm_ctas()},
                            I,
@@ -159,16 +164,21 @@ void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, c
         <<<overlap.comm_sms(), kCommThreads, 0, comm>>>(p, p.dx_rows, p.sym_dx_slots, e0, e1);
   }
   POUNCE_CUDA(cudaGetLastError());
+  timer.mark("data_grad_chunks");
   // Weight gradients over every expert's whole segment (experts without rows get zeros).
   launch_mlp_weight_grads(routed, H, args.accumulate_weight_grads, stream);
+  timer.mark("weight_grads");
   overlap.main_after_comm();
+  timer.mark("join");
 
   // 5. Token side: every d_x pair has arrived after the barrier; fixed-order sum.
   launch_barrier(p, layout::WaitId::kBackwardCombineBarrier, stream);
+  timer.mark("barrier");
   if (num_tokens > 0) {
     combine::weighted_sum_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(
         p, p.sym_dx_slots, nullptr, Is > 0 ? p.shared_dx : nullptr, args.d_x.data, num_tokens);
   }
+  timer.mark("sum");
   POUNCE_CUDA(cudaGetLastError());
 }
 

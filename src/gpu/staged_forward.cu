@@ -22,6 +22,7 @@
 #include "kernels/routing/schedule.cuh"
 #include "src/gpu/gpu_state.h"
 #include "src/gpu/overlap.h"
+#include "src/gpu/stage_timer.h"
 
 namespace pounce::gpu {
 namespace {
@@ -71,12 +72,15 @@ void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cud
   const kernels::ActivationParams activation = activation_params(workspace.config.activation);
   const int copy_grid = workspace.num_sms * 4;
 
+  StageTimer timer("forward", p.rank, stream);
   // 1. This rank's x into its symmetric buffer (peers pull from it), shared-expert row offsets.
   dispatch::stage_x_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(p, args.x.data, num_tokens);
   // 2. Routing exchange: topk_idx (int32) and T into every peer; barrier.
   routing::routing_exchange_kernel<kCopyThreads>
       <<<copy_grid, kCopyThreads, 0, stream>>>(p, args.topk_idx.data, idx_int64, num_tokens);
+  timer.mark("stage+exchange");
   launch_barrier(p, layout::WaitId::kRoutingBarrier, stream);
+  timer.mark("barrier");
   // 3. Receive schedule on the device.
   const dim3 schedule_grid(
       static_cast<unsigned>(layout::ceil_div(p.max_chunks, routing::kScheduleWarpsPerBlock)),
@@ -92,6 +96,7 @@ void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cud
   // 4-7 overlapped (src/gpu/overlap.h): the comm stream pulls chunk c's rows while the GEMMs of chunk c - 1
   // run, and pushes chunk c's outputs while chunk c + 1 computes. The shared expert needs no transfer, so
   // it runs first and covers the first pull.
+  timer.mark("schedule");
   Overlap overlap(workspace, stream, workspace.config.forward_comm_sms);
   cudaStream_t comm = overlap.comm();
   overlap.comm_after_main();
@@ -109,6 +114,7 @@ void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cud
                              p.shared_u, p.shared_act, Is, H, activation, stream);
     kernels::grouped_gemm(shared, p.shared_act, args.shared.down.data, p.shared_y, H, Is, stream);
   }
+  timer.mark("shared");
   for (int c = 0; c < overlap.num_chunks(); ++c) {
     const int e0 = overlap.chunk_begin(c), e1 = overlap.chunk_begin(c + 1);
     overlap.wait(stream, pulled[c]);
@@ -121,16 +127,20 @@ void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cud
     combine::combine_push_kernel<kCommThreads>
         <<<overlap.comm_sms(), kCommThreads, 0, comm>>>(p, p.y_rows, p.sym_y_slots, e0, e1);
   }
+  timer.mark("chunks");
   overlap.main_after_comm();
+  timer.mark("join");
   POUNCE_CUDA(cudaGetLastError());
 
   // 8. Every output row has reached its owner after the barrier; weighted sum over slots.
   launch_barrier(p, layout::WaitId::kCombineBarrier, stream);
+  timer.mark("barrier");
   if (write_out && num_tokens > 0) {
     combine::weighted_sum_kernel<kCopyThreads>
         <<<copy_grid, kCopyThreads, 0, stream>>>(p, p.sym_y_slots, args.topk_weights.as<const float>(),
                                                  Is > 0 ? p.shared_y : nullptr, args.out.data, num_tokens);
   }
+  timer.mark("sum");
   POUNCE_CUDA(cudaGetLastError());
 }
 

@@ -1,0 +1,59 @@
+// Per-stage timing of the staged passes, for finding where a pass spends its time: set
+// POUNCE_PROFILE_STAGES=1 and every forward/backward prints, on stderr, the milliseconds between its stage
+// marks on the caller's stream (waits for the comm stream included). Off by default: when on, each pass
+// synchronises its stream at the end, so it cannot be captured into a CUDA graph.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "src/gpu/gpu_state.h"
+
+namespace pounce::gpu {
+
+class StageTimer {
+ public:
+  StageTimer(const char* pass, int rank, cudaStream_t stream)
+      : pass_(pass), rank_(rank), stream_(stream), enabled_(std::getenv("POUNCE_PROFILE_STAGES") != nullptr) {
+    mark("start");
+  }
+  StageTimer(const StageTimer&) = delete;
+  StageTimer& operator=(const StageTimer&) = delete;
+
+  void mark(const char* stage) {
+    if (!enabled_) return;
+    cudaEvent_t event;
+    POUNCE_CUDA(cudaEventCreate(&event));
+    POUNCE_CUDA(cudaEventRecord(event, stream_));
+    marks_.emplace_back(stage, event);
+  }
+
+  ~StageTimer() {
+    if (!enabled_ || marks_.empty()) return;
+    cudaStreamSynchronize(stream_);
+    std::string line = std::string("pounce profile rank ") + std::to_string(rank_) + " " + pass_ + ":";
+    for (size_t i = 1; i < marks_.size(); ++i) {
+      float ms = 0.0f;
+      cudaEventElapsedTime(&ms, marks_[i - 1].second, marks_[i].second);
+      char item[96];
+      std::snprintf(item, sizeof(item), " %s %.3f", marks_[i].first, ms);
+      line += item;
+    }
+    std::fprintf(stderr, "%s ms\n", line.c_str());
+    for (auto& [name, event] : marks_) cudaEventDestroy(event);
+  }
+
+ private:
+  const char* pass_;
+  int rank_;
+  cudaStream_t stream_;
+  bool enabled_;
+  std::vector<std::pair<const char*, cudaEvent_t>> marks_;
+};
+
+}  // namespace pounce::gpu
