@@ -1,6 +1,7 @@
 // DLPack views: the only way tensors enter Pounce.
 #include "pounce/tensor.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include "pounce/error.h"
@@ -74,7 +75,9 @@ TensorView TensorView::from_dlpack(const DLTensor& tensor, const char* name) {
   TensorView view;
   view.dtype = dtype_from_dlpack(tensor.dtype, name);
   view.shape.assign(tensor.shape, tensor.shape + tensor.ndim);
-  if (tensor.strides != nullptr) {
+  // A tensor without elements has no layout to check (numpy and torch give such tensors any strides).
+  const bool empty = std::any_of(tensor.shape, tensor.shape + tensor.ndim, [](int64_t e) { return e == 0; });
+  if (tensor.strides != nullptr && !empty) {
     int64_t expected = 1;
     for (int dim = tensor.ndim - 1; dim >= 0; --dim) {
       POUNCE_CHECK(tensor.shape[dim] == 1 || tensor.strides[dim] == expected, "tensor '", name,

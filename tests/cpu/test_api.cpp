@@ -324,6 +324,12 @@ TEST(Api, WrapsDlpackTensorsAndRejectsStrided) {
   EXPECT_EQ(view.shape, (std::vector<int64_t>{4, 64}));
   tensor.strides = strides;
   EXPECT_THROW(TensorView::from_dlpack(tensor, "x"), Error);
+  // No elements, any strides (numpy reports 0 tokens x 64 with strides {0, 1}): nothing to lay out.
+  int64_t empty_shape[2] = {0, 64};
+  int64_t empty_strides[2] = {0, 1};
+  tensor.shape = empty_shape;
+  tensor.strides = empty_strides;
+  EXPECT_EQ(TensorView::from_dlpack(tensor, "x").shape, (std::vector<int64_t>{0, 64}));
 }
 
 }  // namespace
