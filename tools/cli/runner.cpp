@@ -5,6 +5,7 @@
 #include <cstring>
 #include <exception>
 #include <thread>
+#include <utility>
 
 #include "pounce/error.h"
 #include "pounce/group.h"
@@ -22,6 +23,44 @@ void RankRunner::use_input_set(int set_idx) {
 
 int64_t input_set_shift(int64_t num_tokens, int set_idx, int num_sets) {
   return num_sets > 0 ? static_cast<int64_t>(set_idx) * num_tokens / num_sets : 0;
+}
+
+BackwardArgs rank_views(const Shape& shape, int64_t num_tokens, const RankBuffers& buffers, DType wgrad,
+                        DeviceKind device, int device_idx) {
+  const int64_t T = num_tokens, H = shape.hidden, I = shape.intermediate, k = shape.num_topk;
+  const int64_t El = shape.num_local_experts(), Is = shape.shared_intermediate;
+  auto view = [&](void* data, DType dtype, std::vector<int64_t> dims) {
+    return TensorView(data, dtype, std::move(dims), device, device_idx);
+  };
+  auto weights = [&](void* const(&data)[3], DType dtype, std::vector<int64_t> up, std::vector<int64_t> down) {
+    return ExpertWeights{view(data[0], dtype, up), view(data[1], dtype, up), view(data[2], dtype, down)};
+  };
+  BackwardArgs args;
+  ForwardArgs& f = args.inputs;
+  f.x = view(buffers.x, DType::kBF16, {T, H});
+  f.topk_idx = view(buffers.topk_idx, DType::kInt32, {T, k});
+  f.topk_weights = view(buffers.topk_weights, DType::kFP32, {T, k});
+  f.routed = weights(buffers.routed, DType::kBF16, {El, I, H}, {El, H, I});
+  f.out = view(buffers.out, DType::kBF16, {T, H});
+  args.d_out = view(buffers.d_out, DType::kBF16, {T, H});
+  args.d_x = view(buffers.d_x, DType::kBF16, {T, H});
+  args.d_topk_weights = view(buffers.d_topk_weights, DType::kFP32, {T, k});
+  args.d_routed = weights(buffers.d_routed, wgrad, {El, I, H}, {El, H, I});
+  if (Is > 0) {
+    f.shared = weights(buffers.shared, DType::kBF16, {Is, H}, {H, Is});
+    args.d_shared = weights(buffers.d_shared, wgrad, {Is, H}, {H, Is});
+  }
+  return args;
+}
+
+void bind_input_set(BackwardArgs& args, const std::vector<InputSetData>& sets, int set_idx) {
+  POUNCE_CHECK(set_idx >= 0 && set_idx < static_cast<int>(sets.size()), "input set ", set_idx,
+               " does not exist; this runner has ", sets.size());
+  const InputSetData& set = sets[set_idx];
+  args.inputs.x.data = set.x;
+  args.inputs.topk_idx.data = set.topk_idx;
+  args.inputs.topk_weights.data = set.topk_weights;
+  args.d_out.data = set.d_out;
 }
 
 RankResult drive_rank(RankRunner& runner, const RunRequest& request, int rank, std::barrier<>* align) {
@@ -148,7 +187,6 @@ class CpuRankRunner final : public RankRunner {
   CpuRankRunner(const Group& group, const RunRequest& request, int rank)
       : request_(request),
         shape_(request.problem->shape),
-        rank_(rank),
         workspace_(group, request.problem->shape, request.config) {
     const HostRank& in = request.problem->ranks[rank];
     const HostWeights& shared = request.problem->shared;
@@ -162,46 +200,33 @@ class CpuRankRunner final : public RankRunner {
     for (HostBuffer& grad : d_routed_) grad = HostBuffer(El * I * H);
     for (HostBuffer& grad : d_shared_) grad = HostBuffer(Is * H);
 
-    ForwardArgs& f = args_.inputs;
-    f.x = TensorView(mutable_data(in.x.data()), DType::kBF16, {T, H});
-    f.topk_idx = TensorView(mutable_data(in.topk_idx.data()), DType::kInt32, {T, k});
-    f.topk_weights = TensorView(mutable_data(in.topk_weights.data()), DType::kFP32, {T, k});
-    f.routed = {TensorView(mutable_data(in.routed.gate.data()), DType::kBF16, {El, I, H}),
-                TensorView(mutable_data(in.routed.up.data()), DType::kBF16, {El, I, H}),
-                TensorView(mutable_data(in.routed.down.data()), DType::kBF16, {El, H, I})};
-    f.out = TensorView(out_.data(), DType::kBF16, {T, H});
-    args_.d_out = TensorView(mutable_data(in.d_out.data()), DType::kBF16, {T, H});
-    args_.d_x = TensorView(d_x_.data(), DType::kBF16, {T, H});
-    args_.d_topk_weights = TensorView(d_topk_.data(), DType::kFP32, {T, k});
-    args_.d_routed = {TensorView(d_routed_[0].data(), wgrad, {El, I, H}),
-                      TensorView(d_routed_[1].data(), wgrad, {El, I, H}),
-                      TensorView(d_routed_[2].data(), wgrad, {El, H, I})};
-    if (Is > 0) {
-      f.shared = {TensorView(mutable_data(shared.gate.data()), DType::kBF16, {Is, H}),
-                  TensorView(mutable_data(shared.up.data()), DType::kBF16, {Is, H}),
-                  TensorView(mutable_data(shared.down.data()), DType::kBF16, {H, Is})};
-      args_.d_shared = {TensorView(d_shared_[0].data(), wgrad, {Is, H}),
-                        TensorView(d_shared_[1].data(), wgrad, {Is, H}),
-                        TensorView(d_shared_[2].data(), wgrad, {H, Is})};
-    }
+    args_ = rank_views(
+        shape_, T,
+        {mutable_data(in.x.data()),
+         mutable_data(in.topk_idx.data()),
+         mutable_data(in.topk_weights.data()),
+         mutable_data(in.d_out.data()),
+         {mutable_data(in.routed.gate.data()), mutable_data(in.routed.up.data()),
+          mutable_data(in.routed.down.data())},
+         {mutable_data(shared.gate.data()), mutable_data(shared.up.data()), mutable_data(shared.down.data())},
+         out_.data(),
+         d_x_.data(),
+         d_topk_.data(),
+         {d_routed_[0].data(), d_routed_[1].data(), d_routed_[2].data()},
+         {d_shared_[0].data(), d_shared_[1].data(), d_shared_[2].data()}},
+        wgrad);
+    sets_.push_back(
+        {args_.inputs.x.data, args_.inputs.topk_idx.data, args_.inputs.topk_weights.data, args_.d_out.data});
     for (int set_idx = 1; set_idx < request.num_input_sets; ++set_idx) {
       const int64_t shift = input_set_shift(T, set_idx, request.num_input_sets);
-      sets_.push_back({rotate_rows(in.x, H, shift), rotate_rows(in.d_out, H, shift),
-                       rotate_rows(in.topk_idx, k, shift), rotate_rows(in.topk_weights, k, shift)});
+      rotated_.push_back({rotate_rows(in.x, H, shift), rotate_rows(in.d_out, H, shift),
+                          rotate_rows(in.topk_idx, k, shift), rotate_rows(in.topk_weights, k, shift)});
     }
+    for (RotatedSet& set : rotated_)
+      sets_.push_back({set.x.data(), set.topk_idx.data(), set.topk_weights.data(), set.d_out.data()});
   }
 
-  void use_input_set(int set_idx) override {
-    POUNCE_CHECK(set_idx >= 0 && set_idx <= static_cast<int>(sets_.size()), "input set ", set_idx,
-                 " does not exist; this runner has ", sets_.size() + 1);
-    const HostRank& in = request_.problem->ranks[rank_];
-    const InputSet* set = set_idx > 0 ? &sets_[set_idx - 1] : nullptr;
-    args_.inputs.x.data = mutable_data(set != nullptr ? set->x.data() : in.x.data());
-    args_.inputs.topk_idx.data = mutable_data(set != nullptr ? set->topk_idx.data() : in.topk_idx.data());
-    args_.inputs.topk_weights.data =
-        mutable_data(set != nullptr ? set->topk_weights.data() : in.topk_weights.data());
-    args_.d_out.data = mutable_data(set != nullptr ? set->d_out.data() : in.d_out.data());
-  }
+  void use_input_set(int set_idx) override { bind_input_set(args_, sets_, set_idx); }
 
   void poison() override {
     for (HostBuffer* buffer : all_outputs()) std::memset(buffer->data(), 0xff, buffer->bytes());
@@ -258,7 +283,7 @@ class CpuRankRunner final : public RankRunner {
   }
 
   // Input sets 1.. (set 0 is the problem itself): its tokens shifted by input_set_shift rows.
-  struct InputSet {
+  struct RotatedSet {
     std::vector<uint16_t> x, d_out;
     std::vector<int32_t> topk_idx;
     std::vector<float> topk_weights;
@@ -266,12 +291,12 @@ class CpuRankRunner final : public RankRunner {
 
   const RunRequest& request_;
   Shape shape_;
-  int rank_;
   Workspace workspace_;
   BackwardArgs args_;
   HostBuffer out_, d_x_, d_topk_;
   HostBuffer d_routed_[3], d_shared_[3];
-  std::vector<InputSet> sets_;
+  std::vector<RotatedSet> rotated_;
+  std::vector<InputSetData> sets_;  // set 0 (the problem), then rotated_
 };
 
 }  // namespace

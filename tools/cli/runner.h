@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "pounce/config.h"
+#include "pounce/layer.h"
 #include "tools/cli/dense_check.h"
 #include "tools/cli/inputs.h"
 #include "tools/cli/progress.h"
@@ -59,6 +60,30 @@ RunOutcome run_on_cpu(const RunRequest& request);
 RunOutcome run_on_gpu(const RunRequest& request);
 
 // ---- the per-rank driver shared by both backends -------------------------------------------------------
+
+// Where one rank's tensors live (host or device memory); the shared ones are read only when the shape has a
+// shared expert.
+struct RankBuffers {
+  void *x, *topk_idx, *topk_weights, *d_out;  // inputs of input set 0
+  void* routed[3];                            // gate, up, down
+  void* shared[3];
+  void *out, *d_x, *d_topk_weights;
+  void* d_routed[3];
+  void* d_shared[3];
+};
+
+// The layer call's views over `buffers`: x, out, d_out, d_x [T, H] bf16; topk_idx [T, k] int32;
+// topk_weights, d_topk_weights [T, k] fp32; weights bf16 and their gradients `wgrad`, routed [El, I, H] x2 +
+// [El, H, I], shared [Is, H] x2 + [H, Is].
+BackwardArgs rank_views(const Shape& shape, int64_t num_tokens, const RankBuffers& buffers, DType wgrad,
+                        DeviceKind device = DeviceKind::kCpu, int device_idx = 0);
+
+// One input set's token tensors (RunRequest::num_input_sets).
+struct InputSetData {
+  void *x, *topk_idx, *topk_weights, *d_out;
+};
+// Points `args` at `sets[set_idx]` (sets[0] is the problem as generated); throws when there is no such set.
+void bind_input_set(BackwardArgs& args, const std::vector<InputSetData>& sets, int set_idx);
 
 // One rank's buffers and calls on one backend.
 class RankRunner {

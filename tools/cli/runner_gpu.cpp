@@ -101,45 +101,29 @@ class GpuRankRunner final : public RankRunner {
     d_topk_ = DeviceBuffer(T * k * 4);
     for (DeviceBuffer& grad : d_routed_) grad = DeviceBuffer(El * I * H * wgrad_bytes_);
 
-    const auto cuda = DeviceKind::kCuda;
-    ForwardArgs& f = args_.inputs;
-    f.x = TensorView(x_.data(), DType::kBF16, {T, H}, cuda, rank);
-    f.topk_idx = TensorView(topk_idx_.data(), DType::kInt32, {T, k}, cuda, rank);
-    f.topk_weights = TensorView(topk_weights_.data(), DType::kFP32, {T, k}, cuda, rank);
-    f.routed = {TensorView(routed_[0].data(), DType::kBF16, {El, I, H}, cuda, rank),
-                TensorView(routed_[1].data(), DType::kBF16, {El, I, H}, cuda, rank),
-                TensorView(routed_[2].data(), DType::kBF16, {El, H, I}, cuda, rank)};
-    f.out = TensorView(out_.data(), DType::kBF16, {T, H}, cuda, rank);
-    args_.d_out = TensorView(d_out_.data(), DType::kBF16, {T, H}, cuda, rank);
-    args_.d_x = TensorView(d_x_.data(), DType::kBF16, {T, H}, cuda, rank);
-    args_.d_topk_weights = TensorView(d_topk_.data(), DType::kFP32, {T, k}, cuda, rank);
-    args_.d_routed = {TensorView(d_routed_[0].data(), wgrad, {El, I, H}, cuda, rank),
-                      TensorView(d_routed_[1].data(), wgrad, {El, I, H}, cuda, rank),
-                      TensorView(d_routed_[2].data(), wgrad, {El, H, I}, cuda, rank)};
     if (Is > 0) {
       shared_[0] = DeviceBuffer(shared.gate);
       shared_[1] = DeviceBuffer(shared.up);
       shared_[2] = DeviceBuffer(shared.down);
       for (DeviceBuffer& grad : d_shared_) grad = DeviceBuffer(Is * H * wgrad_bytes_);
-      f.shared = {TensorView(shared_[0].data(), DType::kBF16, {Is, H}, cuda, rank),
-                  TensorView(shared_[1].data(), DType::kBF16, {Is, H}, cuda, rank),
-                  TensorView(shared_[2].data(), DType::kBF16, {H, Is}, cuda, rank)};
-      args_.d_shared = {TensorView(d_shared_[0].data(), wgrad, {Is, H}, cuda, rank),
-                        TensorView(d_shared_[1].data(), wgrad, {Is, H}, cuda, rank),
-                        TensorView(d_shared_[2].data(), wgrad, {H, Is}, cuda, rank)};
     }
+    args_ = rank_views(shape_, T,
+                       {x_.data(),
+                        topk_idx_.data(),
+                        topk_weights_.data(),
+                        d_out_.data(),
+                        {routed_[0].data(), routed_[1].data(), routed_[2].data()},
+                        {shared_[0].data(), shared_[1].data(), shared_[2].data()},
+                        out_.data(),
+                        d_x_.data(),
+                        d_topk_.data(),
+                        {d_routed_[0].data(), d_routed_[1].data(), d_routed_[2].data()},
+                        {d_shared_[0].data(), d_shared_[1].data(), d_shared_[2].data()}},
+                       wgrad, DeviceKind::kCuda, rank);
     make_input_sets(T, H, k);
   }
 
-  void use_input_set(int set_idx) override {
-    POUNCE_CHECK(set_idx >= 0 && set_idx <= static_cast<int>(input_sets_.size()), "input set ", set_idx,
-                 " does not exist; this runner has ", input_sets_.size() + 1);
-    const InputSet* set = set_idx > 0 ? &input_sets_[set_idx - 1] : nullptr;
-    args_.inputs.x.data = set != nullptr ? set->x.data() : x_.data();
-    args_.inputs.topk_idx.data = set != nullptr ? set->topk_idx.data() : topk_idx_.data();
-    args_.inputs.topk_weights.data = set != nullptr ? set->topk_weights.data() : topk_weights_.data();
-    args_.d_out.data = set != nullptr ? set->d_out.data() : d_out_.data();
-  }
+  void use_input_set(int set_idx) override { bind_input_set(args_, sets_, set_idx); }
 
   ~GpuRankRunner() override {
     cudaStreamSynchronize(stream_);
@@ -227,6 +211,7 @@ class GpuRankRunner final : public RankRunner {
   // shifted by input_set_shift, copied on the device.
   void make_input_sets(int64_t T, int64_t H, int64_t k) {
     const int num_sets = request_.num_input_sets;
+    sets_.push_back({x_.data(), topk_idx_.data(), topk_weights_.data(), d_out_.data()});
     for (int set_idx = 1; set_idx < num_sets; ++set_idx) {
       const int64_t shift = input_set_shift(T, set_idx, num_sets);
       InputSet set;
@@ -236,6 +221,8 @@ class GpuRankRunner final : public RankRunner {
       set.d_out = rotated_rows(d_out_, T, H * 2, shift);
       input_sets_.push_back(std::move(set));
     }
+    for (InputSet& set : input_sets_)
+      sets_.push_back({set.x.data(), set.topk_idx.data(), set.topk_weights.data(), set.d_out.data()});
     POUNCE_CUDA_TRY(cudaStreamSynchronize(stream_));
   }
 
@@ -274,6 +261,7 @@ class GpuRankRunner final : public RankRunner {
     DeviceBuffer x, topk_idx, topk_weights, d_out;
   };
   std::vector<InputSet> input_sets_;  // sets 1.. (set 0 is x_, topk_idx_, topk_weights_, d_out_)
+  std::vector<InputSetData> sets_;    // every set, 0 first
 };
 
 }  // namespace

@@ -25,19 +25,6 @@ def _activation(activation) -> pounce.Activation:
     )
 
 
-def _copy_config(config: pounce.Config) -> pounce.Config:
-    return pounce.Config(
-        forward_comm_sms=config.forward_comm_sms,
-        backward_comm_sms=config.backward_comm_sms,
-        minibatch_size=config.minibatch_size,
-        macrobatch_size=config.macrobatch_size,
-        activation=config.activation,
-        precision=config.precision,
-        deterministic=config.deterministic,
-        backend=config.backend,
-    )
-
-
 class MoE(nn.Module):
     """The layer after the router: ``out = shared(x) + sum_j topk_weights[:, j] * expert[topk_idx[:, j]](x)``.
 
@@ -87,7 +74,7 @@ class MoE(nn.Module):
         init_seed: Optional[int] = None,
     ):
         super().__init__()
-        config = _copy_config(config if config is not None else pounce.Config())
+        config = _registry.copy_config(config if config is not None else pounce.Config())
         if activation is not None:
             config.activation = _activation(activation)
         self.hidden, self.intermediate = hidden, intermediate

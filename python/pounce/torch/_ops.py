@@ -37,7 +37,7 @@ def _stream(tensor: Tensor) -> int:
 def _shared(ws_gate, ws_up, ws_down):
     if ws_gate is None and ws_up is None and ws_down is None:
         return None
-    return (_plain(ws_gate), _plain(ws_up), _plain(ws_down))
+    return _routed(ws_gate, ws_up, ws_down)
 
 
 def _plain(tensor: Optional[Tensor]) -> Optional[Tensor]:
@@ -54,8 +54,16 @@ def _like(tensor: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
     return torch.empty_like(tensor, dtype=dtype, memory_format=torch.contiguous_format)
 
 
-def _empty(like: Tensor) -> Tensor:
-    return like.new_empty((0,))
+def _no_shared_grads(like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Three distinct empty tensors (an op's outputs must not alias) in place of the shared gradients."""
+    return tuple(like.new_empty((0,)) for _ in range(3))
+
+
+def _weight_grads(routed, shared, dtype: torch.dtype):
+    """Outputs for the routed weights' gradients and the shared ones (None without a shared expert)."""
+    d_routed = tuple(_like(w, dtype) for w in routed)
+    d_shared = tuple(_like(w, dtype) for w in shared) if shared else None
+    return d_routed, d_shared
 
 
 @torch.library.custom_op("pounce::moe_forward", mutates_args=())
@@ -100,6 +108,26 @@ def _ensure_context(slot, ticket, x, topk_idx, topk_weights, routed, shared) -> 
     slot.recomputes += 1
 
 
+def _run_backward(
+    layer, ticket, d_out, x, topk_idx, topk_weights, routed, shared, d_routed, d_shared, *, accumulate: bool
+) -> tuple[Tensor, Tensor]:
+    """pounce.backward on the layer's workspace, after rebuilding the context of the ticket's forward if
+    another forward used the workspace since; the weight gradients go to (or are added into, with
+    ``accumulate``) d_routed and d_shared. Returns (d_x, d_topk_weights)."""
+    slot = _registry.layer(layer).resolve(x.device)
+    x, topk_weights, d_out = _plain(x), _plain(topk_weights), _plain(d_out)
+    d_x = _like(x)
+    d_topk_weights = _like(topk_weights)
+    with _registry._device_scope(x.device):
+        _ensure_context(slot, ticket, x, topk_idx, topk_weights, routed, shared)
+        slot.resident = None
+        pounce.backward(
+            slot.workspace, x, topk_idx, topk_weights, routed, d_out, d_x, d_topk_weights, d_routed, shared,
+            d_shared, accumulate, _stream(x),
+        )
+    return d_x, d_topk_weights
+
+
 @torch.library.custom_op("pounce::moe_backward", mutates_args=())
 def moe_backward(
     d_out: Tensor,
@@ -118,23 +146,12 @@ def moe_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down); the weight
     gradients in ``weight_grad_dtype`` (bf16 or fp32); the shared ones empty when there is none."""
-    slot = _registry.layer(layer).resolve(x.device)
-    shared = _shared(ws_gate, ws_up, ws_down)
-    routed = _routed(w_gate, w_up, w_down)
-    x, topk_weights, d_out = _plain(x), _plain(topk_weights), _plain(d_out)
-    d_x = _like(x)
-    d_topk_weights = _like(topk_weights)
-    d_routed = tuple(_like(w, weight_grad_dtype) for w in (w_gate, w_up, w_down))
-    d_shared = tuple(_like(w, weight_grad_dtype) for w in shared) if shared else None
-    with _registry._device_scope(x.device):
-        _ensure_context(slot, ticket, x, topk_idx, topk_weights, routed, shared)
-        slot.resident = None
-        pounce.backward(
-            slot.workspace, x, topk_idx, topk_weights, routed, d_out, d_x, d_topk_weights, d_routed, shared,
-            d_shared, False, _stream(x),
-        )
-    empty = _empty(x)
-    return (d_x, d_topk_weights) + d_routed + (d_shared if d_shared else (empty, empty.clone(), empty.clone()))
+    routed, shared = _routed(w_gate, w_up, w_down), _shared(ws_gate, ws_up, ws_down)
+    d_routed, d_shared = _weight_grads(routed, shared, weight_grad_dtype)
+    d_x, d_topk_weights = _run_backward(
+        layer, ticket, d_out, x, topk_idx, topk_weights, routed, shared, d_routed, d_shared, accumulate=False
+    )
+    return (d_x, d_topk_weights) + d_routed + (d_shared or _no_shared_grads(d_x))
 
 
 @moe_backward.register_fake
@@ -143,12 +160,8 @@ def _moe_backward_fake(
     weight_grad_dtype,
 ):
     shared = _shared(ws_gate, ws_up, ws_down)
-    d_routed = tuple(_like(w, weight_grad_dtype) for w in (w_gate, w_up, w_down))
-    if shared:
-        d_shared = tuple(_like(w, weight_grad_dtype) for w in shared)
-    else:
-        d_shared = (_empty(x), _empty(x), _empty(x))
-    return (_like(x), _like(topk_weights)) + d_routed + d_shared
+    d_routed, d_shared = _weight_grads((w_gate, w_up, w_down), shared, weight_grad_dtype)
+    return (_like(x), _like(topk_weights)) + d_routed + (d_shared or _no_shared_grads(x))
 
 
 @torch.library.custom_op(
@@ -177,21 +190,11 @@ def moe_backward_accumulate(
 ) -> tuple[Tensor, Tensor]:
     """(d_x, d_topk_weights); the weight gradients are added into the fp32 ``main_*`` tensors
     (Megatron-style main_grad) instead of being returned."""
-    slot = _registry.layer(layer).resolve(x.device)
-    shared = _shared(ws_gate, ws_up, ws_down)
-    routed = _routed(w_gate, w_up, w_down)
-    x, topk_weights, d_out = _plain(x), _plain(topk_weights), _plain(d_out)
-    d_x = _like(x)
-    d_topk_weights = _like(topk_weights)
-    with _registry._device_scope(x.device):
-        _ensure_context(slot, ticket, x, topk_idx, topk_weights, routed, shared)
-        slot.resident = None
-        pounce.backward(
-            slot.workspace, x, topk_idx, topk_weights, routed, d_out, d_x, d_topk_weights,
-            _routed(main_w_gate, main_w_up, main_w_down), shared,
-            _shared(main_ws_gate, main_ws_up, main_ws_down), True, _stream(x),
-        )
-    return d_x, d_topk_weights
+    return _run_backward(
+        layer, ticket, d_out, x, topk_idx, topk_weights, _routed(w_gate, w_up, w_down),
+        _shared(ws_gate, ws_up, ws_down), _routed(main_w_gate, main_w_up, main_w_down),
+        _shared(main_ws_gate, main_ws_up, main_ws_down), accumulate=True,
+    )
 
 
 @moe_backward_accumulate.register_fake

@@ -12,12 +12,33 @@ backward rebuilds the context with ``recompute_forward_context`` when another fo
 """
 from __future__ import annotations
 
+import enum
 import itertools
 from dataclasses import dataclass
 
 import torch
 
 import pounce
+
+# The fields of pounce.Shape and pounce.Config, in constructor order. A Layer holds every shape field but
+# num_ranks (its group decides that when the layer first runs).
+_SHAPE_FIELDS = (
+    "max_tokens", "hidden", "intermediate", "num_experts", "num_topk", "shared_intermediate", "num_ranks"
+)
+_CONFIG_FIELDS = (
+    "forward_comm_sms",
+    "backward_comm_sms",
+    "minibatch_size",
+    "macrobatch_size",
+    "activation",
+    "precision",
+    "deterministic",
+    "backend",
+)
+
+
+def copy_config(config: pounce.Config) -> pounce.Config:
+    return pounce.Config(**{name: getattr(config, name) for name in _CONFIG_FIELDS})
 
 
 class Slot:
@@ -46,18 +67,13 @@ class Layer:
     share_workspace: bool
     slot: Slot | None = None
 
+    def shape(self, num_ranks: int) -> pounce.Shape:
+        return pounce.Shape(num_ranks=num_ranks, **{name: getattr(self, name) for name in _SHAPE_FIELDS[:-1]})
+
     def resolve(self, device: torch.device) -> Slot:
         if self.slot is None:
             group = resolve_group(self.group, device)
-            shape = pounce.Shape(
-                max_tokens=self.max_tokens,
-                hidden=self.hidden,
-                intermediate=self.intermediate,
-                num_experts=self.num_experts,
-                num_topk=self.num_topk,
-                shared_intermediate=self.shared_intermediate,
-                num_ranks=group.num_ranks,
-            )
+            shape = self.shape(group.num_ranks)
             self.slot = workspace_slot(group, shape, self.config, share=self.share_workspace, device=device)
         return self.slot
 
@@ -88,20 +104,12 @@ def register_layer(
     at the memory of a whole workspace).
     """
     config = config if config is not None else pounce.Config()
-    num_ranks = group_size(group)
-    pounce.Shape(
-        max_tokens=max_tokens,
-        hidden=hidden,
-        intermediate=intermediate,
-        num_experts=num_experts,
-        num_topk=num_topk,
-        shared_intermediate=shared_intermediate,
-        num_ranks=num_ranks,
-    ).validate()
-    handle = next(_next_layer)
-    _layers[handle] = Layer(
+    layer_ = Layer(
         hidden, intermediate, num_experts, num_topk, max_tokens, shared_intermediate, config, group, share_workspace
     )
+    layer_.shape(group_size(group)).validate()
+    handle = next(_next_layer)
+    _layers[handle] = layer_
     return handle
 
 
@@ -118,32 +126,18 @@ def unregister_layer(handle: int) -> None:
     _layers.pop(handle, None)
 
 
+def _key_part(value):
+    if isinstance(value, pounce.Activation):
+        return (int(value.kind.value), value.clamp_limit, value.alpha)
+    return int(value.value) if isinstance(value, enum.Enum) else value
+
+
 def _config_key(config: pounce.Config) -> tuple:
-    act = config.activation
-    return (
-        config.forward_comm_sms,
-        config.backward_comm_sms,
-        config.minibatch_size,
-        config.macrobatch_size,
-        int(act.kind.value),
-        act.clamp_limit,
-        act.alpha,
-        int(config.precision.value),
-        config.deterministic,
-        int(config.backend.value),
-    )
+    return tuple(_key_part(getattr(config, name)) for name in _CONFIG_FIELDS)
 
 
 def _shape_key(shape: pounce.Shape) -> tuple:
-    return (
-        shape.max_tokens,
-        shape.hidden,
-        shape.intermediate,
-        shape.num_experts,
-        shape.num_topk,
-        shape.shared_intermediate,
-        shape.num_ranks,
-    )
+    return tuple(getattr(shape, name) for name in _SHAPE_FIELDS)
 
 
 def workspace_slot(group, shape, config, *, share: bool = True, device=None) -> Slot:
@@ -183,20 +177,22 @@ def _dist_initialized() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def group_size(group) -> int:
+def _group_query(group, attribute: str, query, alone: int) -> int:
+    """`attribute` of a pounce.Group, else torch.distributed's `query` of the process group (None: the
+    default group when initialised, else `alone`, a single rank's answer)."""
     if isinstance(group, pounce.Group):
-        return group.num_ranks
+        return getattr(group, attribute)
     if group is None:
-        return torch.distributed.get_world_size() if _dist_initialized() else 1
-    return torch.distributed.get_world_size(group)
+        return query() if _dist_initialized() else alone
+    return query(group)
+
+
+def group_size(group) -> int:
+    return _group_query(group, "num_ranks", torch.distributed.get_world_size, 1)
 
 
 def group_rank(group) -> int:
-    if isinstance(group, pounce.Group):
-        return group.rank
-    if group is None:
-        return torch.distributed.get_rank() if _dist_initialized() else 0
-    return torch.distributed.get_rank(group)
+    return _group_query(group, "rank", torch.distributed.get_rank, 0)
 
 
 def ep_group(process_group=None) -> pounce.Group:
