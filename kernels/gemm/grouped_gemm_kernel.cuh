@@ -97,6 +97,9 @@ struct GemmConfig {
   static_assert(BLOCK_M % kBoxMN == 0 && BLOCK_N % kBoxMN == 0 && kBoxMN * 2 == 128,
                 "MN-major tiles are whole 128-byte boxes; fix: BLOCK_M, BLOCK_N multiples of 64");
   static_assert(BLOCK_N == 256, "the mainloop issues wgmma m64n256k16; fix: add a wgmma wrapper for other N");
+  static_assert(
+      BLOCK_M % BLOCK_K == 0,
+      "weight gradients split K at group offsets (multiples of BLOCK_M); fix: BLOCK_M % BLOCK_K == 0");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kNumConsumerWarpgroups <= 65536,
                 "register file overcommitted; fix: lower kConsumerRegs or kProducerRegs");
 };

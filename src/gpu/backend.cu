@@ -306,6 +306,12 @@ void validate_workspace_shape(const GpuGroup& group, int rank, const Shape& shap
                " must be a multiple of 64 for the GPU GEMMs; pad the model dimension");
   POUNCE_CHECK(shape.intermediate % 64 == 0, "shape.intermediate = ", shape.intermediate,
                " must be a multiple of 64 for the GPU GEMMs");
+  // Row indices and GEMM tile counters are 32-bit on the device: reject shapes beyond them here, before any
+  // call can queue work that a launcher would refuse halfway.
+  POUNCE_CHECK(l.rows_capacity < (int64_t{1} << 31) && l.rows_capacity / layout::kBlockM < (int64_t{1} << 24),
+               "the dropless worst case needs ", l.rows_capacity,
+               " expert rows per rank, beyond the 32-bit row indices of the GPU kernels; lower max_tokens or "
+               "num_topk per rank");
   POUNCE_CHECK(shape.shared_intermediate % 64 == 0, "shape.shared_intermediate = ", shape.shared_intermediate,
                " must be 0 or a multiple of 64 for the GPU GEMMs");
   POUNCE_CHECK(l.rows_capacity < (int64_t{1} << 31) && shape.max_tokens * shape.num_topk < (int64_t{1} << 31),
@@ -476,12 +482,14 @@ int64_t num_tokens_of(const ForwardArgs& args) {
 
 void forward(GpuWorkspace& workspace, const ForwardArgs& args, void* stream) {
   check_forward_supported(workspace);
+  workspace.context_tokens = -1;  // a launch that throws halfway leaves no usable context behind
   launch_staged_forward(workspace, args, static_cast<cudaStream_t>(stream), /*write_out=*/true);
   workspace.context_tokens = num_tokens_of(args);
 }
 
 void recompute_forward_context(GpuWorkspace& workspace, const ForwardArgs& args, void* stream) {
   check_forward_supported(workspace);
+  workspace.context_tokens = -1;
   launch_staged_forward(workspace, args, static_cast<cudaStream_t>(stream), /*write_out=*/false);
   workspace.context_tokens = num_tokens_of(args);
 }

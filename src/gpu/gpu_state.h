@@ -92,6 +92,8 @@ inline constexpr int kBarrierThreads = 128;
 kernels::ActivationParams activation_params(const Activation& activation);
 // Routed weights [El, a, b] from local expert `first_expert` on.
 const void* expert_slice(const TensorView& weights, int64_t first_expert);
+// Throws naming `name` unless every non-null tensor of `weights` is 16-byte aligned (TMA needs it).
+void check_weights_aligned(const ExpertWeights& weights, const char* name);
 void launch_barrier(const layout::WorkspacePointers& p, layout::WaitId which, cudaStream_t stream);
 
 // Launches the staged forward on `stream` (src/gpu/staged_forward.cu). `write_out` = false rebuilds the

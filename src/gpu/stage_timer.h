@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,6 +36,12 @@ class StageTimer {
 
   ~StageTimer() {
     if (!enabled_ || marks_.empty()) return;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cudaStreamIsCapturing(stream_, &capture);
+    if (std::uncaught_exceptions() > 0 || capture != cudaStreamCaptureStatusNone) {  // nothing to report
+      for (auto& [name, event] : marks_) cudaEventDestroy(event);
+      return;
+    }
     cudaStreamSynchronize(stream_);
     std::string line = std::string("pounce profile rank ") + std::to_string(rank_) + " " + pass_ + ":";
     for (size_t i = 1; i < marks_.size(); ++i) {

@@ -95,6 +95,11 @@ void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, c
     POUNCE_CHECK(num_tokens == 0 || reinterpret_cast<uintptr_t>(t->data) % 16 == 0,
                  "d_out and d_x must be 16-byte aligned on the GPU backend");
   }
+  // Checked before the first kernel is queued: a launcher refusing later would leave peers at a barrier.
+  check_weights_aligned(in.routed, "routed");
+  check_weights_aligned(in.shared, "shared");
+  check_weights_aligned(args.d_routed, "d_routed");
+  check_weights_aligned(args.d_shared, "d_shared");
   const kernels::ActivationParams activation = activation_params(workspace.config.activation);
   const int copy_grid = workspace.num_sms * 4;
 

@@ -38,7 +38,15 @@ bool aligned_16(const void* pointer) {
 
 const void* expert_slice(const TensorView& weights, int64_t first_expert) {
   const int64_t per_expert = weights.shape[1] * weights.shape[2];
-  return static_cast<const char*>(weights.data) + first_expert * per_expert * 2;  // bf16
+  return static_cast<const char*>(weights.data) + first_expert * per_expert * size_of(weights.dtype);
+}
+
+void check_weights_aligned(const ExpertWeights& weights, const char* name) {
+  for (const TensorView* t : {&weights.gate, &weights.up, &weights.down}) {
+    POUNCE_CHECK(t->data == nullptr || reinterpret_cast<uintptr_t>(t->data) % 16 == 0, "'", name,
+                 "' tensors must be 16-byte aligned on the GPU backend (TMA); pass tensors from the caching "
+                 "allocator or cudaMalloc");
+  }
 }
 
 kernels::ActivationParams activation_params(const Activation& activation) {
@@ -68,6 +76,9 @@ void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cud
   POUNCE_CHECK(num_tokens == 0 || aligned_16(args.x.data), "x must be 16-byte aligned on the GPU backend");
   POUNCE_CHECK(!write_out || num_tokens == 0 || aligned_16(args.out.data),
                "out must be 16-byte aligned on the GPU backend");
+  // Checked before the first kernel is queued: a launcher refusing later would leave peers at a barrier.
+  check_weights_aligned(args.routed, "routed");
+  check_weights_aligned(args.shared, "shared");
   const bool idx_int64 = args.topk_idx.dtype == DType::kInt64;
   const kernels::ActivationParams activation = activation_params(workspace.config.activation);
   const int copy_grid = workspace.num_sms * 4;
