@@ -87,61 +87,56 @@ void check_output(const void* p, const char* name) {
                "' must be non-null and 16-byte aligned");
 }
 
-CUtensorMap activation_map(const GroupedRows& rows, const void* a, int64_t k) {
+// A row-major bf16 matrix [rows, ld] with columns [0, cols) visible, loaded in boxes of box_cols x box_rows.
+CUtensorMap matrix_map(const void* base, int64_t rows, int64_t cols, int64_t ld, uint32_t box_cols,
+                       uint32_t box_rows) {
   Bf16TensorMapSpec spec;
-  spec.base = a;
+  spec.base = base;
   spec.rank = 2;
-  spec.dims[0] = static_cast<uint64_t>(k);
-  spec.dims[1] = static_cast<uint64_t>(rows.max_rows);
-  spec.strides_bytes[0] = static_cast<uint64_t>(k) * 2;
-  spec.box[0] = GemmConfig::BLOCK_K;
-  spec.box[1] = GemmConfig::BLOCK_M;
-  return make_bf16_tensor_map_sw128(spec);
-}
-
-// Weights [num_groups, n, k] as a 3-D map so a tile past n reads zeros instead of the next expert.
-CUtensorMap weight_map(const void* w, int num_groups, int64_t n, int64_t k, uint32_t box_rows) {
-  Bf16TensorMapSpec spec;
-  spec.base = w;
-  spec.rank = 3;
-  spec.dims[0] = static_cast<uint64_t>(k);
-  spec.dims[1] = static_cast<uint64_t>(n);
-  spec.dims[2] = static_cast<uint64_t>(num_groups);
-  spec.strides_bytes[0] = static_cast<uint64_t>(k) * 2;
-  spec.strides_bytes[1] = static_cast<uint64_t>(n) * static_cast<uint64_t>(k) * 2;
-  spec.box[0] = GemmConfig::BLOCK_K;
+  spec.dims[0] = static_cast<uint64_t>(cols);
+  spec.dims[1] = static_cast<uint64_t>(rows);
+  spec.strides_bytes[0] = static_cast<uint64_t>(ld) * 2;
+  spec.box[0] = box_cols;
   spec.box[1] = box_rows;
-  spec.box[2] = 1;
   return make_bf16_tensor_map_sw128(spec);
 }
 
-// Weights [num_groups, rows, cols] read transposed: boxes of 64 contiguous columns x BLOCK_K rows.
-CUtensorMap transposed_weight_map(const void* w, int num_groups, int64_t rows, int64_t cols) {
+// num_groups dense [rows, cols] matrices back to back, as a 3-D map so a box past the edge reads zeros
+// instead of the next group's values.
+CUtensorMap grouped_matrix_map(const void* base, int num_groups, int64_t rows, int64_t cols,
+                               uint32_t box_cols, uint32_t box_rows) {
   Bf16TensorMapSpec spec;
-  spec.base = w;
+  spec.base = base;
   spec.rank = 3;
   spec.dims[0] = static_cast<uint64_t>(cols);
   spec.dims[1] = static_cast<uint64_t>(rows);
   spec.dims[2] = static_cast<uint64_t>(num_groups);
   spec.strides_bytes[0] = static_cast<uint64_t>(cols) * 2;
   spec.strides_bytes[1] = static_cast<uint64_t>(rows) * static_cast<uint64_t>(cols) * 2;
-  spec.box[0] = GemmConfig::kBoxMN;
-  spec.box[1] = GemmConfig::BLOCK_K;
+  spec.box[0] = box_cols;
+  spec.box[1] = box_rows;
   spec.box[2] = 1;
   return make_bf16_tensor_map_sw128(spec);
 }
 
+// Activation rows [max_rows, k], K-major tiles of BLOCK_M rows x BLOCK_K.
+CUtensorMap activation_map(const GroupedRows& rows, const void* a, int64_t k) {
+  return matrix_map(a, rows.max_rows, k, k, GemmConfig::BLOCK_K, GemmConfig::BLOCK_M);
+}
+
 // Activation rows [max_rows, ld] read MN-major: columns [0, cols) in boxes of 64 x BLOCK_K rows.
 CUtensorMap transposed_activation_map(const GroupedRows& rows, const void* a, int64_t ld, int64_t cols) {
-  Bf16TensorMapSpec spec;
-  spec.base = a;
-  spec.rank = 2;
-  spec.dims[0] = static_cast<uint64_t>(cols);
-  spec.dims[1] = static_cast<uint64_t>(rows.max_rows);
-  spec.strides_bytes[0] = static_cast<uint64_t>(ld) * 2;
-  spec.box[0] = GemmConfig::kBoxMN;
-  spec.box[1] = GemmConfig::BLOCK_K;
-  return make_bf16_tensor_map_sw128(spec);
+  return matrix_map(a, rows.max_rows, cols, ld, GemmConfig::kBoxMN, GemmConfig::BLOCK_K);
+}
+
+// Weights [num_groups, n, k], K-major tiles of box_rows x BLOCK_K.
+CUtensorMap weight_map(const void* w, int num_groups, int64_t n, int64_t k, uint32_t box_rows) {
+  return grouped_matrix_map(w, num_groups, n, k, GemmConfig::BLOCK_K, box_rows);
+}
+
+// Weights [num_groups, rows, cols] read transposed: boxes of 64 contiguous columns x BLOCK_K rows.
+CUtensorMap transposed_weight_map(const void* w, int num_groups, int64_t rows, int64_t cols) {
+  return grouped_matrix_map(w, num_groups, rows, cols, GemmConfig::kBoxMN, GemmConfig::BLOCK_K);
 }
 
 template <KernelKind kKind>
