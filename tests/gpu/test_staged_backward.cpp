@@ -573,6 +573,23 @@ TEST(StagedBackward, TwoRanksTopOneGptOssClamp) {
                 "two ranks top-1");
 }
 
+// Issue #7: 4 and 8 ranks where that many GPUs are visible.
+TEST(StagedBackward, FourAndEightRanks) {
+  if (visible_gpus() < 4) GTEST_SKIP() << "needs 4 or 8 GPUs, " << visible_gpus() << " visible: skipped";
+  for (int R : {4, 8}) {
+    if (visible_gpus() < R) continue;
+    const Model m = make_model(make_shape(300, 256, 128, 2 * R, 4, 128, R),
+                               clamped(pounce::Activation::swiglu(), 1.5f), 130 + R);
+    std::vector<int64_t> uneven(R, 300);
+    for (int r = 0; r < R; ++r) uneven[r] = (r * 97) % 301;  // rank 0 has none
+    run_and_check(m,
+                  {{uneven, Routing::kRandom, false, 131},
+                   {std::vector<int64_t>(R, 300), Routing::kAllToOneExpert, true, 132},
+                   {std::vector<int64_t>(R, 127), Routing::kFewExperts, false, 133}},
+                  false, std::to_string(R) + " ranks");
+  }
+}
+
 TEST(StagedBackward, CudaGraphReplaysForwardAndBackward) {
   SKIP_UNLESS_GPUS(1);
   const int R = visible_gpus() >= 2 ? 2 : 1;

@@ -293,6 +293,24 @@ TEST(StagedForward, TwoRanksLargeTopOneAndTopEight) {
   }
 }
 
+// Issue #7: 4 and 8 ranks where that many GPUs are visible: more peers in the routing exchange, schedule
+// and transfers, unequal T per rank and a rank without tokens.
+TEST(StagedForward, FourAndEightRanks) {
+  if (visible_gpus() < 4) GTEST_SKIP() << "needs 4 or 8 GPUs, " << visible_gpus() << " visible: skipped";
+  for (int R : {4, 8}) {
+    if (visible_gpus() < R) continue;
+    const Model m =
+        make_model(make_shape(300, 256, 128, 2 * R, 4, 64, R), pounce::Activation::swiglu(), 40 + R);
+    std::vector<int64_t> uneven(R, 300), single(R, 1);
+    for (int r = 0; r < R; ++r) uneven[r] = (r * 97) % 301;  // rank 0 has none
+    run_and_check(m,
+                  {{uneven, Routing::kRandom, false, 41},
+                   {std::vector<int64_t>(R, 300), Routing::kAllToOneExpert, true, 42},
+                   {single, Routing::kFewExperts, false, 43}},
+                  Mode::kEagerTwice, std::to_string(R) + " ranks");
+  }
+}
+
 TEST(StagedForward, CudaGraphReplaysNewRouting) {
   SKIP_UNLESS_GPUS(1);
   const int R = visible_gpus() >= 2 ? 2 : 1;
