@@ -88,7 +88,6 @@ struct GemmConfig {
   static constexpr int kMChunk = 8;  // scheduler: m-blocks that share weights in L2
   static constexpr uint32_t kStageBytesA = BLOCK_M * BLOCK_K * 2;
   static constexpr uint32_t kStageBytesB = BLOCK_N * BLOCK_K * 2;
-  static constexpr uint32_t kStageBytes = kStageBytesA + kStageBytesB;
   static constexpr uint64_t kWaitTimeoutNs = 4'000'000'000ull;  // far above any legitimate stall
 
   static_assert(BLOCK_K * 2 == 128, "a K block must be one 128-byte swizzle row; fix: BLOCK_K = 64 for bf16");

@@ -36,9 +36,6 @@ class TileScheduler {
     tile_idx_ += begin_m_ * num_n_blocks_;
   }
 
-  // True when the rows claimed by group_row_offset exceed the capacity (those tiles are skipped).
-  __device__ bool overflows_capacity() const { return num_tiles_ > max_m_blocks_ * num_n_blocks_; }
-
   __device__ bool next(Tile& tile) {
     while (tile_idx_ < num_tiles_) {
       while (group_ + 1 < num_groups_ && tile_idx_ >= end_m_ * num_n_blocks_) {

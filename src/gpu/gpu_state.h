@@ -89,6 +89,8 @@ struct GpuWorkspace {
 // Shared by the staged passes (src/gpu/staged_forward.cu): the activation as the GEMM epilogues take it,
 // and a phase barrier over the group (nothing for one rank; at most kBarrierThreads ranks).
 inline constexpr int kBarrierThreads = 128;
+inline constexpr int kCopyThreads = 256;  // blocks of the copy-style stage kernels (num_sms * 4 of them)
+bool aligned_16(const void* pointer);
 kernels::ActivationParams activation_params(const Activation& activation);
 // Routed weights [El, a, b] from local expert `first_expert` on.
 const void* expert_slice(const TensorView& weights, int64_t first_expert);

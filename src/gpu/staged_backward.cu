@@ -26,8 +26,6 @@
 namespace pounce::gpu {
 namespace {
 
-constexpr int kCopyThreads = 256;
-
 kernels::WeightGradMode weight_grad_mode(const TensorView& grad, bool accumulate) {
   if (accumulate) return kernels::WeightGradMode::kAccumulateF32;
   return grad.dtype == DType::kFP32 ? kernels::WeightGradMode::kStoreF32
@@ -91,10 +89,8 @@ void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, c
   const int64_t H = p.hidden, I = p.intermediate, Is = p.shared_intermediate;
   POUNCE_CHECK(num_tokens >= 0 && num_tokens <= p.max_tokens, "x has ", num_tokens,
                " tokens but the workspace was created for max_tokens = ", p.max_tokens);
-  for (const TensorView* t : {&args.d_out, &args.d_x}) {
-    POUNCE_CHECK(num_tokens == 0 || reinterpret_cast<uintptr_t>(t->data) % 16 == 0,
-                 "d_out and d_x must be 16-byte aligned on the GPU backend");
-  }
+  POUNCE_CHECK(num_tokens == 0 || (aligned_16(args.d_out.data) && aligned_16(args.d_x.data)),
+               "d_out and d_x must be 16-byte aligned on the GPU backend");
   // Checked before the first kernel is queued: a launcher refusing later would leave peers at a barrier.
   check_weights_aligned(in.routed, "routed");
   check_weights_aligned(in.shared, "shared");

@@ -27,14 +27,13 @@
 namespace pounce::gpu {
 namespace {
 
-constexpr int kCopyThreads = 256;
 constexpr int kScanThreads = 512;
+
+}  // namespace
 
 bool aligned_16(const void* pointer) {
   return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
 }
-
-}  // namespace
 
 const void* expert_slice(const TensorView& weights, int64_t first_expert) {
   const int64_t per_expert = weights.shape[1] * weights.shape[2];
