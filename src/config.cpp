@@ -36,6 +36,10 @@ const char* to_string(Precision precision) {
   return precision == Precision::kBF16 ? "bf16" : "fp8";
 }
 
+const char* to_string(KernelPath path) {
+  return path == KernelPath::kFused ? "fused" : "staged";
+}
+
 const char* to_string(Backend backend) {
   switch (backend) {
     case Backend::kAuto:

@@ -53,6 +53,8 @@ struct ForwardContextView {
   int64_t rows_capacity = 0;
 };
 ForwardContextView forward_context(const GpuWorkspace& workspace);
+// Switches the forward path of an existing workspace (tests compare fused and staged on one workspace).
+void set_kernel_path(GpuWorkspace& workspace, KernelPath path);
 // Throws pounce::Error when a kernel of this workspace recorded a timed-out wait or bad routing.
 void check_device_errors(GpuWorkspace& workspace);
 

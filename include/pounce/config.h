@@ -9,6 +9,10 @@ namespace pounce {
 
 enum class Precision { kBF16, kFP8 };
 enum class Backend { kAuto, kCpu, kGpu };
+// How the GPU backend runs a forward: one persistent fused kernel between the routing exchange and the
+// weighted sum, or the chain of standalone stage kernels (the debugging oracle; bitwise the same result).
+// Backward runs the staged chain either way for now.
+enum class KernelPath { kFused, kStaged };
 
 struct Config {
   int forward_comm_sms = 0;     // SMs that move tokens in the forward kernel; 0 = heuristic
@@ -19,6 +23,7 @@ struct Config {
   Precision precision = Precision::kBF16;
   bool deterministic = true;  // false is rejected for now: every path is deterministic
   Backend backend = Backend::kAuto;
+  KernelPath kernel_path = KernelPath::kFused;
 };
 
 // GEMM tile height: every expert segment of the receive schedule is padded to a multiple of it.
@@ -31,6 +36,7 @@ void validate(const Config& config, const Shape& shape);
 
 const char* to_string(Precision precision);
 const char* to_string(Backend backend);
+const char* to_string(KernelPath path);
 const char* to_string(ActivationKind kind);
 
 }  // namespace pounce

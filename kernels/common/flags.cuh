@@ -33,6 +33,16 @@ __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* ptr) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
   return value;
 }
+// Adds `value` with release semantics: this thread's earlier stores (and those it observed, e.g. its
+// warpgroup's after a barrier) are visible to whoever acquires the sum.
+__device__ __forceinline__ void red_release_gpu_add(uint32_t* ptr, uint32_t value) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* ptr) {
+  uint32_t value;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+  return value;
+}
 // Orders every earlier memory operation of this thread before every later one, for all observers.
 __device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
@@ -56,6 +66,22 @@ __device__ __forceinline__ uint32_t wait_epoch_sys(const uint32_t* flag, uint32_
     if (global_timer_ns() - start > timeout_ns) break;
     __nanosleep(64);
     observed = ld_acquire_sys(flag);
+  }
+  return observed;
+}
+
+// Spins with ld.acquire.gpu until the counter *count reaches `expected` (a plain, non-wrapping count), the
+// abort word turns non-zero (another CTA failed: give up at once) or `timeout_ns` passes. Returns the last
+// value read.
+__device__ __forceinline__ uint32_t wait_count_gpu(const uint32_t* count, uint32_t expected, const uint32_t* abort,
+                                                   uint64_t timeout_ns) {
+  uint32_t observed = ld_acquire_gpu(count);
+  if (observed >= expected) return observed;
+  const uint64_t start = global_timer_ns();
+  while (observed < expected) {
+    if (ld_relaxed_gpu(abort) != 0 || global_timer_ns() - start > timeout_ns) break;
+    __nanosleep(32);
+    observed = ld_acquire_gpu(count);
   }
   return observed;
 }

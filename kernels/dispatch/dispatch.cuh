@@ -15,16 +15,18 @@
 
 namespace pounce::dispatch {
 
-// Copies `num_vectors` 16-byte vectors with one warp; loads are issued four deep to hide NVLink latency.
+// Copies `num_vectors` 16-byte vectors with one warp; loads are issued kDepth deep per lane to hide NVLink
+// latency (the fused kernel's few communication warps go 8 deep).
+template <int kDepth = 4>
 __device__ __forceinline__ void warp_copy_16b(int4* dst, const int4* src, int64_t num_vectors) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   int64_t v = lane;
-  for (; v + 96 < num_vectors; v += 128) {
-    const int4 a = src[v], b = src[v + 32], c = src[v + 64], d = src[v + 96];
-    dst[v] = a;
-    dst[v + 32] = b;
-    dst[v + 64] = c;
-    dst[v + 96] = d;
+  for (; v + 32 * (kDepth - 1) < num_vectors; v += 32 * kDepth) {
+    int4 in[kDepth];
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) in[d] = src[v + 32 * d];
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) dst[v + 32 * d] = in[d];
   }
   for (; v < num_vectors; v += 32) dst[v] = src[v];
 }

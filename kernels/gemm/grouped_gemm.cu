@@ -5,6 +5,7 @@
 #include <atomic>
 
 #include "kernels/common/tma.h"
+#include "kernels/gemm/gemm_maps.h"
 #include "kernels/gemm/grouped_gemm_kernel.cuh"
 #include "pounce/error.h"
 
@@ -170,6 +171,14 @@ gemm::GroupedGemmArgs base_args(const GroupedRows& rows, int64_t n, int64_t k) {
 }
 
 }  // namespace
+
+CUtensorMap activation_rows_map(const void* a, int64_t rows, int64_t k) {
+  return matrix_map(a, rows, k, k, GemmConfig::BLOCK_K, GemmConfig::BLOCK_M);
+}
+
+CUtensorMap weight_rows_map(const void* w, int num_groups, int64_t n, int64_t k, uint32_t box_rows) {
+  return weight_map(w, num_groups, n, k, box_rows);
+}
 
 void grouped_gemm(const GroupedRows& rows, const void* a, const void* b, void* c, int64_t n, int64_t k,
                   cudaStream_t stream) {

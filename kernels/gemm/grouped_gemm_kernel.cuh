@@ -199,6 +199,70 @@ struct TileWalk {
 };
 
 // ---------------------------------------------------------------------------------------------------
+// Producer side of one tile.
+// ---------------------------------------------------------------------------------------------------
+// The stage ring's position, carried from tile to tile (and across GEMM kinds in the fused kernels).
+struct RingPosition {
+  uint32_t stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == GemmConfig::kNumStages) stage = 0, phase ^= 1;
+  }
+};
+
+// Loads the K blocks [kb_begin, kb_end) of one tile into the ring. False when a stage never became free
+// (recorded in args.error_flag).
+template <GemmKind kKind>
+__device__ __forceinline__ bool produce_tile(SharedStorage& ss, RingPosition& ring, const CUtensorMap& tmap_a,
+                                             const CUtensorMap& tmap_b0, const CUtensorMap& tmap_b1,
+                                             const GroupedGemmArgs& args, const Tile& tile, int32_t kb_begin,
+                                             int32_t kb_end) {
+  using C = GemmConfig;
+  constexpr Epilogue kEpilogue = kKind.epilogue;
+  const int32_t row0 = tile.m_block * C::BLOCK_M;
+  const int32_t col0 = tile.n_block * kOutBlockN<kEpilogue>;
+  // Boxes inside the matrix (MN-major only; K-major tiles are single boxes with zero fill).
+  const int32_t a_boxes = kKind.a == Major::kMN ? min(C::BLOCK_M / C::kBoxMN, (args.m - row0 + 63) / 64) : 0;
+  const int32_t b_boxes = kKind.b == Major::kMN ? min(C::BLOCK_N / C::kBoxMN, (args.n - col0 + 63) / 64) : 0;
+  const uint32_t bytes = (kKind.a == Major::kMN ? a_boxes * C::kBoxBytes : C::kStageBytesA) +
+                         (kKind.b == Major::kMN ? b_boxes * C::kBoxBytes : C::kStageBytesB);
+  for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
+    if (!ptx::mbarrier_wait_parity_bounded(&ss.empty[ring.stage], ring.phase ^ 1, C::kWaitTimeoutNs)) {
+      record_error(args.error_flag, WaitError::kEmptyStage);
+      return false;
+    }
+    SharedStorage::Stage& st = ss.stages[ring.stage];
+    uint64_t* full = &ss.full[ring.stage];
+    ptx::mbarrier_arrive_expect_tx(full, bytes);
+    const int32_t k0 = kb * C::BLOCK_K;
+    if constexpr (kKind.a == Major::kK) {
+      ptx::tma_load_2d(st.a, &tmap_a, full, k0, row0);
+    } else {
+      for (int32_t box = 0; box < a_boxes; ++box)
+        ptx::tma_load_2d(st.a + box * C::kBoxMN * C::BLOCK_K, &tmap_a, full, row0 + box * C::kBoxMN, k0);
+    }
+    if constexpr (kEpilogue == Epilogue::kGateUpActivation) {
+      ptx::tma_load_3d(st.b, &tmap_b0, full, k0, col0, tile.group);
+      ptx::tma_load_3d(st.b + (C::BLOCK_N / 2) * C::BLOCK_K, &tmap_b1, full, k0, col0, tile.group);
+    } else if constexpr (kKind.b == Major::kK) {
+      ptx::tma_load_3d(st.b, &tmap_b0, full, k0, col0, tile.group);
+    } else if constexpr (kKind.grouping == Grouping::kReduction) {
+      for (int32_t box = 0; box < b_boxes; ++box)
+        ptx::tma_load_2d(st.b + box * C::kBoxMN * C::BLOCK_K, &tmap_b0, full, col0 + box * C::kBoxMN, k0);
+    } else {
+      const bool second = k0 >= args.k_split;
+      const CUtensorMap* map = second ? &tmap_b1 : &tmap_b0;
+      const int32_t k_in = second ? k0 - args.k_split : k0;
+      for (int32_t box = 0; box < b_boxes; ++box)
+        ptx::tma_load_3d(st.b + box * C::kBoxMN * C::BLOCK_K, map, full, col0 + box * C::kBoxMN, k_in,
+                         tile.group);
+    }
+    ring.advance();
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Producer: one thread walks the tiles and keeps the stage ring full. MN-major operands arrive as boxes of
 // 64 MN elements x BLOCK_K rows; boxes wholly past the matrix edge are not loaded (their columns or rows
 // of the tile are never stored).
@@ -207,55 +271,12 @@ template <GemmKind kKind>
 __device__ __forceinline__ void run_producer(SharedStorage& ss, const CUtensorMap& tmap_a,
                                              const CUtensorMap& tmap_b0, const CUtensorMap& tmap_b1,
                                              const GroupedGemmArgs& args) {
-  using C = GemmConfig;
-  constexpr Epilogue kEpilogue = kKind.epilogue;
   TileWalk<kKind> walk(args);
-  uint32_t stage = 0, phase = 0;
+  RingPosition ring;
   Tile tile;
   int32_t kb_begin = 0, kb_end = 0;
   while (walk.next(tile, kb_begin, kb_end)) {
-    const int32_t row0 = tile.m_block * C::BLOCK_M;
-    const int32_t col0 = tile.n_block * kOutBlockN<kEpilogue>;
-    // Boxes inside the matrix (MN-major only; K-major tiles are single boxes with zero fill).
-    const int32_t a_boxes =
-        kKind.a == Major::kMN ? min(C::BLOCK_M / C::kBoxMN, (args.m - row0 + 63) / 64) : 0;
-    const int32_t b_boxes =
-        kKind.b == Major::kMN ? min(C::BLOCK_N / C::kBoxMN, (args.n - col0 + 63) / 64) : 0;
-    const uint32_t bytes = (kKind.a == Major::kMN ? a_boxes * C::kBoxBytes : C::kStageBytesA) +
-                           (kKind.b == Major::kMN ? b_boxes * C::kBoxBytes : C::kStageBytesB);
-    for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
-      if (!ptx::mbarrier_wait_parity_bounded(&ss.empty[stage], phase ^ 1, C::kWaitTimeoutNs)) {
-        record_error(args.error_flag, WaitError::kEmptyStage);
-        return;
-      }
-      SharedStorage::Stage& st = ss.stages[stage];
-      uint64_t* full = &ss.full[stage];
-      ptx::mbarrier_arrive_expect_tx(full, bytes);
-      const int32_t k0 = kb * C::BLOCK_K;
-      if constexpr (kKind.a == Major::kK) {
-        ptx::tma_load_2d(st.a, &tmap_a, full, k0, row0);
-      } else {
-        for (int32_t box = 0; box < a_boxes; ++box)
-          ptx::tma_load_2d(st.a + box * C::kBoxMN * C::BLOCK_K, &tmap_a, full, row0 + box * C::kBoxMN, k0);
-      }
-      if constexpr (kEpilogue == Epilogue::kGateUpActivation) {
-        ptx::tma_load_3d(st.b, &tmap_b0, full, k0, col0, tile.group);
-        ptx::tma_load_3d(st.b + (C::BLOCK_N / 2) * C::BLOCK_K, &tmap_b1, full, k0, col0, tile.group);
-      } else if constexpr (kKind.b == Major::kK) {
-        ptx::tma_load_3d(st.b, &tmap_b0, full, k0, col0, tile.group);
-      } else if constexpr (kKind.grouping == Grouping::kReduction) {
-        for (int32_t box = 0; box < b_boxes; ++box)
-          ptx::tma_load_2d(st.b + box * C::kBoxMN * C::BLOCK_K, &tmap_b0, full, col0 + box * C::kBoxMN, k0);
-      } else {
-        const bool second = k0 >= args.k_split;
-        const CUtensorMap* map = second ? &tmap_b1 : &tmap_b0;
-        const int32_t k_in = second ? k0 - args.k_split : k0;
-        for (int32_t box = 0; box < b_boxes; ++box)
-          ptx::tma_load_3d(st.b + box * C::kBoxMN * C::BLOCK_K, map, full, col0 + box * C::kBoxMN, k_in,
-                           tile.group);
-      }
-      if (++stage == C::kNumStages) stage = 0, phase ^= 1;
-    }
+    if (!produce_tile<kKind>(ss, ring, tmap_a, tmap_b0, tmap_b1, args, tile, kb_begin, kb_end)) return;
   }
 }
 
@@ -436,8 +457,7 @@ __device__ __forceinline__ void store_weight_grad_zeros(const GroupedGemmArgs& a
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Consumer: a warpgroup multiplies its 64 rows of every tile, releasing each stage one K block late so
-// that one wgmma group stays in flight while the next is issued.
+// Consumer side of one tile.
 // ---------------------------------------------------------------------------------------------------
 template <Major kMajor>
 __device__ __forceinline__ uint64_t smem_desc(uint32_t tile_base, int kk) {
@@ -448,12 +468,14 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t tile_base, int kk) {
   }
 }
 
+// Multiplies this warpgroup's 64 rows of one tile over K blocks [kb_begin, kb_end) and stores them through
+// the kind's epilogue. False when a stage never filled (recorded in args.error_flag).
 template <GemmKind kKind>
-__device__ __forceinline__ void run_consumer(SharedStorage& ss, const GroupedGemmArgs& args,
-                                             int consumer_idx) {
+__device__ __forceinline__ bool consume_tile(SharedStorage& ss, RingPosition& ring, const GroupedGemmArgs& args,
+                                             const Tile& tile, int32_t kb_begin, int32_t kb_end,
+                                             int consumer_idx, float (&acc)[128]) {
   using C = GemmConfig;
   constexpr Epilogue kEpilogue = kKind.epilogue;
-  TileWalk<kKind> walk(args);
   const int warp_in_group = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
   // This warpgroup's 64 rows of A: rows 64c.. of a K-major tile, or box c of an M-major one; both 8 KB in.
@@ -461,55 +483,64 @@ __device__ __forceinline__ void run_consumer(SharedStorage& ss, const GroupedGem
   auto release = [&](uint32_t s) {
     if (lane == 0) ptx::mbarrier_arrive(&ss.empty[s]);
   };
+  uint32_t prev_stage = 0;
+  for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
+    if (!ptx::mbarrier_wait_parity_bounded(&ss.full[ring.stage], ring.phase, C::kWaitTimeoutNs)) {
+      ptx::wgmma_wait_group<0>();  // leave no wgmma in flight behind
+      record_error(args.error_flag, WaitError::kFullStage);
+      return false;
+    }
+    const uint32_t a_base = ptx::smem_addr(ss.stages[ring.stage].a) + a_offset_bytes;
+    const uint32_t b_base = ptx::smem_addr(ss.stages[ring.stage].b);
+    fence_accumulators(acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < C::BLOCK_K / 16; ++kk) {
+      ptx::wgmma_m64n256k16_bf16<kKind.a == Major::kMN, kKind.b == Major::kMN>(
+          acc, smem_desc<kKind.a>(a_base, kk), smem_desc<kKind.b>(b_base, kk), kb > kb_begin || kk > 0);
+    }
+    ptx::wgmma_commit_group();
+    fence_accumulators(acc);
+    if (kb > kb_begin) {
+      ptx::wgmma_wait_group<1>();
+      release(prev_stage);
+    }
+    prev_stage = ring.stage;
+    ring.advance();
+  }
+  ptx::wgmma_wait_group<0>();
+  fence_accumulators(acc);
+  if (kb_end > kb_begin) release(prev_stage);
 
-  uint32_t stage = 0, phase = 0;
+  const int64_t row =
+      static_cast<int64_t>(tile.m_block) * C::BLOCK_M + consumer_idx * 64 + warp_in_group * 16 + lane / 4;
+  const int32_t col_block = tile.n_block * kOutBlockN<kEpilogue>;
+  if constexpr (kEpilogue == Epilogue::kStore) {
+    store_tile_bf16(acc, args.out0, args.out_ld, args.n, row, col_block, INT64_MAX, lane);
+  } else if constexpr (kEpilogue == Epilogue::kGateUpActivation) {
+    store_gate_up_tile(acc, args, row, col_block, lane);
+  } else if constexpr (kEpilogue == Epilogue::kActivationBackward) {
+    store_activation_backward_tile(acc, args, row, col_block, lane);
+  } else if (kb_end > kb_begin) {
+    store_weight_grad_tile(acc, args, tile.group, row, col_block, lane);
+  } else {
+    store_weight_grad_zeros(args, tile.group, row, col_block, lane);  // an expert without rows
+  }
+  return true;
+}
+
+// Consumer: a warpgroup multiplies its 64 rows of every tile, releasing each stage one K block late so that
+// one wgmma group stays in flight while the next is issued.
+template <GemmKind kKind>
+__device__ __forceinline__ void run_consumer(SharedStorage& ss, const GroupedGemmArgs& args,
+                                             int consumer_idx) {
+  TileWalk<kKind> walk(args);
+  RingPosition ring;
   float acc[128];
   Tile tile;
   int32_t kb_begin = 0, kb_end = 0;
   while (walk.next(tile, kb_begin, kb_end)) {
-    uint32_t prev_stage = 0;
-    for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
-      if (!ptx::mbarrier_wait_parity_bounded(&ss.full[stage], phase, C::kWaitTimeoutNs)) {
-        ptx::wgmma_wait_group<0>();  // leave no wgmma in flight behind
-        record_error(args.error_flag, WaitError::kFullStage);
-        return;
-      }
-      const uint32_t a_base = ptx::smem_addr(ss.stages[stage].a) + a_offset_bytes;
-      const uint32_t b_base = ptx::smem_addr(ss.stages[stage].b);
-      fence_accumulators(acc);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < C::BLOCK_K / 16; ++kk) {
-        ptx::wgmma_m64n256k16_bf16<kKind.a == Major::kMN, kKind.b == Major::kMN>(
-            acc, smem_desc<kKind.a>(a_base, kk), smem_desc<kKind.b>(b_base, kk), kb > kb_begin || kk > 0);
-      }
-      ptx::wgmma_commit_group();
-      fence_accumulators(acc);
-      if (kb > kb_begin) {
-        ptx::wgmma_wait_group<1>();
-        release(prev_stage);
-      }
-      prev_stage = stage;
-      if (++stage == C::kNumStages) stage = 0, phase ^= 1;
-    }
-    ptx::wgmma_wait_group<0>();
-    fence_accumulators(acc);
-    if (kb_end > kb_begin) release(prev_stage);
-
-    const int64_t row =
-        static_cast<int64_t>(tile.m_block) * C::BLOCK_M + consumer_idx * 64 + warp_in_group * 16 + lane / 4;
-    const int32_t col_block = tile.n_block * kOutBlockN<kEpilogue>;
-    if constexpr (kEpilogue == Epilogue::kStore) {
-      store_tile_bf16(acc, args.out0, args.out_ld, args.n, row, col_block, INT64_MAX, lane);
-    } else if constexpr (kEpilogue == Epilogue::kGateUpActivation) {
-      store_gate_up_tile(acc, args, row, col_block, lane);
-    } else if constexpr (kEpilogue == Epilogue::kActivationBackward) {
-      store_activation_backward_tile(acc, args, row, col_block, lane);
-    } else if (kb_end > kb_begin) {
-      store_weight_grad_tile(acc, args, tile.group, row, col_block, lane);
-    } else {
-      store_weight_grad_zeros(args, tile.group, row, col_block, lane);  // an expert without rows
-    }
+    if (!consume_tile<kKind>(ss, ring, args, tile, kb_begin, kb_end, consumer_idx, acc)) return;
   }
 }
 

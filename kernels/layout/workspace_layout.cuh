@@ -60,7 +60,20 @@ enum class WaitId : int32_t {
   kCombineBarrier = 2,          // forward: expert outputs pushed
   kBackwardInputsBarrier = 3,   // backward: d_out and topk_weights staged for the owners' pulls
   kBackwardCombineBarrier = 4,  // backward: d_x pairs pushed
+  // Inside the fused forward kernel (one GPU; `peer` is the minibatch or m-block waited on):
+  kFusedRowsReady = 5,     // compute CTA: a minibatch's rows pulled by every communication CTA
+  kFusedGateUpDone = 6,    // compute CTA: every gate/up tile of an m-block stored, before its down tiles
+  kFusedRowsDone = 7,      // communication CTA: every down tile of a minibatch stored, before the push
+  kFusedTaskHandoff = 8,   // producer <-> consumer warpgroups of one CTA (task slots, stage ring)
 };
+
+// The fused forward kernel's GPU-scope counters (local region, zeroed before every launch), in uint32
+// words: a header, then per-minibatch and per-m-block counts (sched/forward_tasks.cuh).
+inline constexpr int64_t kFusedTicket = 0;     // next task of the compute CTAs' list
+inline constexpr int64_t kFusedRole = 1;       // CTAs started so far: the first comm_ctas communicate
+inline constexpr int64_t kFusedAbort = 2;      // non-zero once any CTA failed: every wait gives up
+inline constexpr int64_t kFusedGemmError = 3;  // the GEMM stage ring's WaitError (scratch)
+inline constexpr int64_t kFusedHeaderWords = 4;
 
 struct DeviceErrorRecord {
   int32_t code;      // DeviceErrorCode
@@ -115,6 +128,11 @@ struct WorkspaceLayout {
   int64_t loc_shared_u = 0;           // bf16 [token_capacity][Is]
   int64_t loc_shared_act = 0;         // bf16 [token_capacity][Is]
   int64_t loc_shared_y = 0;           // bf16 [token_capacity][H]    (0 bytes when Is = 0)
+  // fused forward only: uint32 [kFusedHeaderWords + 3 * max_m_blocks + token_blocks], max_m_blocks =
+  // rows_capacity / 128, token_blocks = token_capacity / 128: rows_ready and rows_done per minibatch (at
+  // most one per m-block), gate_up_done per shared then routed m-block
+  int64_t loc_fused_counters = 0;
+  int64_t fused_counter_words = 0;
   // backward only (nothing here is forward context)
   int64_t loc_dy_rows = 0;      // bf16 [rows_capacity][H]: w * d_out pulled per row, padding = 0
   int64_t loc_d_gu_rows = 0;    // bf16 [rows_capacity][2I]: d_g in columns [0, I), d_u in [I, 2I)
@@ -178,6 +196,8 @@ struct WorkspaceLayout {
     l.loc_shared_u = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_act = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_y = carve(Is > 0 ? l.token_capacity * H * kBf16Bytes : 0);
+    l.fused_counter_words = kFusedHeaderWords + 3 * (l.rows_capacity / kBlockM) + l.token_capacity / kBlockM;
+    l.loc_fused_counters = carve(l.fused_counter_words * 4);
     l.loc_dy_rows = carve(l.rows_capacity * H * kBf16Bytes);
     l.loc_d_gu_rows = carve(l.rows_capacity * 2 * I * kBf16Bytes);
     l.loc_dx_rows = carve(l.rows_capacity * H * kBf16Bytes);
@@ -223,6 +243,7 @@ struct WorkspacePointers {
   void* shared_u;
   void* shared_act;
   void* shared_y;
+  uint32_t* fused_counters;
   void* dy_rows;
   void* d_gu_rows;
   void* dx_rows;

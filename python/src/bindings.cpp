@@ -178,7 +178,7 @@ std::string config_repr(const Config& c) {
       << ", minibatch_size=" << c.minibatch_size << ", macrobatch_size=" << c.macrobatch_size
       << ", activation=" << activation_repr(c.activation) << ", precision=" << to_string(c.precision)
       << ", deterministic=" << (c.deterministic ? "True" : "False") << ", backend=" << to_string(c.backend)
-      << ")";
+      << ", kernel_path=" << to_string(c.kernel_path) << ")";
   return out.str();
 }
 
@@ -191,6 +191,7 @@ void bind_types(nb::module_& m) {
       .value("auto", Backend::kAuto)
       .value("cpu", Backend::kCpu)
       .value("gpu", Backend::kGpu);
+  nb::enum_<KernelPath>(m, "KernelPath").value("fused", KernelPath::kFused).value("staged", KernelPath::kStaged);
 
   nb::class_<Activation>(m, "Activation", "Expert activation: SwiGLU or GPT-OSS, optional clamp (DESIGN §1).")
       .def(
@@ -246,7 +247,7 @@ void bind_types(nb::module_& m) {
           "__init__",
           [](Config* self, int forward_comm_sms, int backward_comm_sms, int64_t minibatch_size,
              int64_t macrobatch_size, std::optional<Activation> activation, Precision precision,
-             bool deterministic, Backend backend) {
+             bool deterministic, Backend backend, KernelPath kernel_path) {
             new (self) Config{forward_comm_sms,
                               backward_comm_sms,
                               minibatch_size,
@@ -254,11 +255,12 @@ void bind_types(nb::module_& m) {
                               activation.value_or(Activation{}),
                               precision,
                               deterministic,
-                              backend};
+                              backend,
+                              kernel_path};
           },
           "forward_comm_sms"_a = 0, "backward_comm_sms"_a = 0, "minibatch_size"_a = 0,
           "macrobatch_size"_a = 0, "activation"_a = nb::none(), "precision"_a = Precision::kBF16,
-          "deterministic"_a = true, "backend"_a = Backend::kAuto)
+          "deterministic"_a = true, "backend"_a = Backend::kAuto, "kernel_path"_a = KernelPath::kFused)
       .def_rw("forward_comm_sms", &Config::forward_comm_sms)
       .def_rw("backward_comm_sms", &Config::backward_comm_sms)
       .def_rw("minibatch_size", &Config::minibatch_size)
@@ -267,6 +269,7 @@ void bind_types(nb::module_& m) {
       .def_rw("precision", &Config::precision)
       .def_rw("deterministic", &Config::deterministic)
       .def_rw("backend", &Config::backend)
+      .def_rw("kernel_path", &Config::kernel_path)
       .def(
           "validate", [](const Config& config, const Shape& shape) { validate(config, shape); }, "shape"_a)
       .def("__repr__", &config_repr);

@@ -267,6 +267,7 @@ layout::WorkspacePointers GpuWorkspace::pointers() const {
   p.shared_u = at(l.loc_shared_u);
   p.shared_act = at(l.loc_shared_act);
   p.shared_y = at(l.loc_shared_y);
+  p.fused_counters = static_cast<uint32_t*>(at(l.loc_fused_counters));
   p.dy_rows = at(l.loc_dy_rows);
   p.d_gu_rows = at(l.loc_d_gu_rows);
   p.dx_rows = at(l.loc_dx_rows);
@@ -400,6 +401,14 @@ const char* wait_name(layout::WaitId id) {
       return "backward inputs (d_out staged)";
     case layout::WaitId::kBackwardCombineBarrier:
       return "backward combine (d_x pushed)";
+    case layout::WaitId::kFusedRowsReady:
+      return "fused forward: minibatch rows pulled";
+    case layout::WaitId::kFusedGateUpDone:
+      return "fused forward: gate/up tiles of an m-block";
+    case layout::WaitId::kFusedRowsDone:
+      return "fused forward: down tiles of a minibatch";
+    case layout::WaitId::kFusedTaskHandoff:
+      return "fused forward: task or stage handoff inside a CTA";
     case layout::WaitId::kNone:
       break;
   }
@@ -427,6 +436,13 @@ void check_device_errors(GpuWorkspace& workspace) {
   switch (static_cast<layout::DeviceErrorCode>(copy.code)) {
     case layout::DeviceErrorCode::kWaitTimeout: {
       const char* which = wait_name(static_cast<layout::WaitId>(copy.wait_id));
+      if (copy.wait_id >= static_cast<int32_t>(layout::WaitId::kFusedRowsReady)) {
+        out << "GPU wait timed out inside the fused kernel on rank " << copy.rank << ": " << which << " (index "
+            << copy.peer << ", expected " << copy.expected << ", observed " << copy.observed
+            << ") longer than POUNCE_PEER_TIMEOUT_S; a CTA of the kernel failed or never started (another "
+               "kernel holding SMs?). Config.kernel_path = KernelPath::kStaged runs the stage kernels instead";
+        break;
+      }
       out << "GPU wait timed out: rank " << copy.rank << " waited at the " << which << " barrier for rank "
           << copy.peer << " (expected epoch " << copy.expected << ", observed " << copy.observed
           << ") longer than POUNCE_PEER_TIMEOUT_S; every rank must call forward/backward with its workspace "
@@ -466,6 +482,10 @@ ForwardContextView forward_context(const GpuWorkspace& workspace) {
   return view;
 }
 
+void set_kernel_path(GpuWorkspace& workspace, KernelPath path) {
+  workspace.config.kernel_path = path;
+}
+
 // ---- passes ----
 
 namespace {
@@ -473,6 +493,14 @@ void check_forward_supported(GpuWorkspace& workspace) {
   check_device_errors(workspace);
   POUNCE_CHECK(workspace.config.precision == Precision::kBF16,
                "config.precision = fp8 is not implemented on GPUs yet; use Precision::kBF16");
+}
+
+void launch_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream, bool write_out) {
+  if (workspace.config.kernel_path == KernelPath::kFused) {
+    launch_fused_forward(workspace, args, stream, write_out);
+  } else {
+    launch_staged_forward(workspace, args, stream, write_out);
+  }
 }
 
 int64_t num_tokens_of(const ForwardArgs& args) {
@@ -483,14 +511,14 @@ int64_t num_tokens_of(const ForwardArgs& args) {
 void forward(GpuWorkspace& workspace, const ForwardArgs& args, void* stream) {
   check_forward_supported(workspace);
   workspace.context_tokens = -1;  // a launch that throws halfway leaves no usable context behind
-  launch_staged_forward(workspace, args, static_cast<cudaStream_t>(stream), /*write_out=*/true);
+  launch_forward(workspace, args, static_cast<cudaStream_t>(stream), /*write_out=*/true);
   workspace.context_tokens = num_tokens_of(args);
 }
 
 void recompute_forward_context(GpuWorkspace& workspace, const ForwardArgs& args, void* stream) {
   check_forward_supported(workspace);
   workspace.context_tokens = -1;
-  launch_staged_forward(workspace, args, static_cast<cudaStream_t>(stream), /*write_out=*/false);
+  launch_forward(workspace, args, static_cast<cudaStream_t>(stream), /*write_out=*/false);
   workspace.context_tokens = num_tokens_of(args);
 }
 

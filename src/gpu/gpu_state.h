@@ -98,10 +98,25 @@ const void* expert_slice(const TensorView& weights, int64_t first_expert);
 void check_weights_aligned(const ExpertWeights& weights, const char* name);
 void launch_barrier(const layout::WorkspacePointers& p, layout::WaitId which, cudaStream_t stream);
 
+// The parts of a forward both paths share (src/gpu/staged_forward.cu). The prologue checks every argument
+// before it queues anything, then stages x, exchanges the routing (phase barrier) and builds the receive
+// schedule; the epilogue waits at the combine barrier and writes out (unless `write_out` is false).
+class StageTimer;
+struct ForwardLaunch {
+  int64_t num_tokens = 0;
+  kernels::ActivationParams activation;
+};
+ForwardLaunch launch_forward_prologue(GpuWorkspace& workspace, const ForwardArgs& args, bool write_out,
+                                      StageTimer& timer, cudaStream_t stream);
+void launch_forward_epilogue(GpuWorkspace& workspace, const ForwardArgs& args, const ForwardLaunch& launch,
+                             bool write_out, StageTimer& timer, cudaStream_t stream);
+
 // Launches the staged forward on `stream` (src/gpu/staged_forward.cu). `write_out` = false rebuilds the
 // forward context only (recompute_forward_context).
 void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
                            bool write_out);
+// The same through the fused forward kernel (src/gpu/fused_forward.cu); bitwise the same results.
+void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream, bool write_out);
 
 // Launches the staged backward on `stream` (src/gpu/staged_backward.cu). Consumes the forward context the
 // last forward (or recompute_forward_context) of this workspace left; does not modify it.

@@ -64,12 +64,12 @@ void launch_barrier(const layout::WorkspacePointers& p, layout::WaitId which, cu
   routing::phase_barrier_kernel<kBarrierThreads><<<1, kBarrierThreads, 0, stream>>>(p, which);
 }
 
-void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
-                           bool write_out) {
-  DeviceGuard guard(workspace.device);
+ForwardLaunch launch_forward_prologue(GpuWorkspace& workspace, const ForwardArgs& args, bool write_out,
+                                      StageTimer& timer, cudaStream_t stream) {
   const layout::WorkspacePointers p = workspace.pointers();
-  const int64_t num_tokens = args.x.shape.empty() ? 0 : args.x.shape[0];
-  const int64_t H = p.hidden, I = p.intermediate, Is = p.shared_intermediate;
+  ForwardLaunch launch;
+  launch.num_tokens = args.x.shape.empty() ? 0 : args.x.shape[0];
+  const int64_t num_tokens = launch.num_tokens;
   POUNCE_CHECK(num_tokens >= 0 && num_tokens <= p.max_tokens, "x has ", num_tokens,
                " tokens but the workspace was created for max_tokens = ", p.max_tokens);
   POUNCE_CHECK(num_tokens == 0 || aligned_16(args.x.data), "x must be 16-byte aligned on the GPU backend");
@@ -78,11 +78,10 @@ void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cud
   // Checked before the first kernel is queued: a launcher refusing later would leave peers at a barrier.
   check_weights_aligned(args.routed, "routed");
   check_weights_aligned(args.shared, "shared");
+  launch.activation = activation_params(workspace.config.activation);
   const bool idx_int64 = args.topk_idx.dtype == DType::kInt64;
-  const kernels::ActivationParams activation = activation_params(workspace.config.activation);
   const int copy_grid = workspace.num_sms * 4;
 
-  StageTimer timer("forward", p.rank, stream);
   // 1. This rank's x into its symmetric buffer (peers pull from it), shared-expert row offsets.
   dispatch::stage_x_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(p, args.x.data, num_tokens);
   // 2. Routing exchange: topk_idx (int32) and T into every peer; barrier.
@@ -102,11 +101,37 @@ void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cud
   routing::schedule_place_kernel<routing::kScheduleThreads>
       <<<schedule_grid, routing::kScheduleThreads, schedule_smem, stream>>>(p);
   POUNCE_CUDA(cudaGetLastError());
+  timer.mark("schedule");
+  return launch;
+}
+
+void launch_forward_epilogue(GpuWorkspace& workspace, const ForwardArgs& args, const ForwardLaunch& launch,
+                             bool write_out, StageTimer& timer, cudaStream_t stream) {
+  const layout::WorkspacePointers p = workspace.pointers();
+  // 8. Every output row has reached its owner after the barrier; weighted sum over slots.
+  launch_barrier(p, layout::WaitId::kCombineBarrier, stream);
+  timer.mark("barrier");
+  if (write_out && launch.num_tokens > 0) {
+    combine::weighted_sum_kernel<kCopyThreads><<<workspace.num_sms * 4, kCopyThreads, 0, stream>>>(
+        p, p.sym_y_slots, args.topk_weights.as<const float>(), p.shared_intermediate > 0 ? p.shared_y : nullptr,
+        args.out.data, launch.num_tokens);
+  }
+  timer.mark("sum");
+  POUNCE_CUDA(cudaGetLastError());
+}
+
+void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
+                           bool write_out) {
+  DeviceGuard guard(workspace.device);
+  const layout::WorkspacePointers p = workspace.pointers();
+  const int64_t H = p.hidden, I = p.intermediate, Is = p.shared_intermediate;
+  StageTimer timer("forward", p.rank, stream);
+  const ForwardLaunch launch = launch_forward_prologue(workspace, args, write_out, timer, stream);
+  const kernels::ActivationParams& activation = launch.activation;
 
   // 4-7 overlapped (src/gpu/overlap.h): the comm stream pulls chunk c's rows while the GEMMs of chunk c - 1
   // run, and pushes chunk c's outputs while chunk c + 1 computes. The shared expert needs no transfer, so
   // it runs first and covers the first pull.
-  timer.mark("schedule");
   Overlap overlap(workspace, stream, workspace.config.forward_comm_sms);
   cudaStream_t comm = overlap.comm();
   overlap.comm_after_main();
@@ -117,7 +142,7 @@ void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cud
     pulled[c] = overlap.mark(comm);
   }
   POUNCE_CUDA(cudaGetLastError());
-  if (Is > 0 && num_tokens > 0) {  // own rows: sym_x, T padded to 128 with zero rows
+  if (Is > 0 && launch.num_tokens > 0) {  // own rows: sym_x, T padded to 128 with zero rows
     const kernels::GroupedRows shared{p.token_capacity, p.shared_row_offset, 1, overlap.gemm_ctas()};
     const void* sym_x = p.local_sym<const void>(p.sym_x);
     kernels::grouped_gate_up(shared, sym_x, args.shared.gate.data, args.shared.up.data, p.shared_g,
@@ -142,16 +167,7 @@ void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cud
   timer.mark("join");
   POUNCE_CUDA(cudaGetLastError());
 
-  // 8. Every output row has reached its owner after the barrier; weighted sum over slots.
-  launch_barrier(p, layout::WaitId::kCombineBarrier, stream);
-  timer.mark("barrier");
-  if (write_out && num_tokens > 0) {
-    combine::weighted_sum_kernel<kCopyThreads>
-        <<<copy_grid, kCopyThreads, 0, stream>>>(p, p.sym_y_slots, args.topk_weights.as<const float>(),
-                                                 Is > 0 ? p.shared_y : nullptr, args.out.data, num_tokens);
-  }
-  timer.mark("sum");
-  POUNCE_CUDA(cudaGetLastError());
+  launch_forward_epilogue(workspace, args, launch, write_out, timer, stream);
 }
 
 }  // namespace pounce::gpu

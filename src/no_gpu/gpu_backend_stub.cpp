@@ -45,5 +45,6 @@ void recompute_forward_context(GpuWorkspace&, const ForwardArgs&, void*) {
   no_cuda("recompute_forward_context");
 }
 void check_device_errors(GpuWorkspace&) {}
+void set_kernel_path(GpuWorkspace&, KernelPath) {}
 
 }  // namespace pounce::gpu

@@ -102,8 +102,10 @@ TEST(CliBench, RotatesEnoughInputSetsToMissL2) {
 TEST(CliBench, SelectsImplAndPreset) {
   Config config;
   EXPECT_NO_THROW(select_impl("staged", config));
-  EXPECT_TRUE(throws_with([&] { select_impl("fused", config); }, "--impl fused"));
-  EXPECT_TRUE(throws_with([&] { select_impl("fast", config); }, "choose staged or fused"));
+  EXPECT_EQ(config.kernel_path, KernelPath::kStaged);
+  EXPECT_NO_THROW(select_impl("fused", config));
+  EXPECT_EQ(config.kernel_path, KernelPath::kFused);
+  EXPECT_TRUE(throws_with([&] { select_impl("fast", config); }, "choose fused or staged"));
   EXPECT_EQ(bench_preset("deepseek-v3").shape.shared_intermediate, 2048);
   const Preset custom = bench_preset("custom:256:128:8:2:64");
   EXPECT_EQ(custom.name, "custom:256:128:8:2:64");
@@ -347,11 +349,11 @@ TEST(CliBench, MeasuresEveryPassOnTheCpuBackend) {
   EXPECT_EQ(outcome.forward_backward_ms.size(), 3u);
 
   // An impl that does not exist fails every pass, not the sweep.
-  setup.impl = "fused";
-  const std::vector<Measurement> fused = measure(problem, setup, parse_passes({"forward"}), nullptr);
-  ASSERT_EQ(fused.size(), 1u);
-  EXPECT_TRUE(fused[0].run_failed);
-  EXPECT_NE(fused[0].error.find("--impl fused"), std::string::npos);
+  setup.impl = "fast";
+  const std::vector<Measurement> fast = measure(problem, setup, parse_passes({"forward"}), nullptr);
+  ASSERT_EQ(fast.size(), 1u);
+  EXPECT_TRUE(fast[0].run_failed);
+  EXPECT_NE(fast[0].error.find("--impl fast"), std::string::npos);
 }
 
 }  // namespace

@@ -65,17 +65,20 @@ struct RankResult {
   std::string error;                  // check_device_errors / exception text ("" = none)
 };
 
-// How each rank drives its calls: eager twice (default), or through a captured CUDA graph.
-enum class Mode { kEagerTwice, kGraphVsEager };
+// How each rank drives its calls: eager twice (default: the fused kernel, Config's default path), through a
+// captured CUDA graph, or the staged chain first and the fused kernel second (check_call then demands
+// fused == staged bitwise, DESIGN.md §6).
+enum class Mode { kEagerTwice, kGraphVsEager, kStagedVsFused };
 
 // One rank's share of `calls` on `device` through `group`; fills results[call][rank]. Throws on failure.
 void run_rank(const Model& m, const std::vector<std::vector<RankData>>& data, const std::vector<Call>& calls,
               Mode mode, const pounce::Group& group, int rank, int device,
-              std::vector<std::vector<RankResult>>& results) {
+              std::vector<std::vector<RankResult>>& results, int64_t minibatch_size) {
   const pounce::Shape& s = m.shape;
   CUDA_OK(cudaSetDevice(device));
   pounce::Config config;
   config.activation = m.activation;
+  config.minibatch_size = minibatch_size;
   pounce::Workspace workspace(group, s, config);
   pounce::gpu::GpuWorkspace& gpu_ws = *workspace.state().gpu;
   DeviceWeights weights(m, rank, rank);
@@ -110,6 +113,9 @@ void run_rank(const Model& m, const std::vector<std::vector<RankData>>& data, co
           }
           CUDA_OK(cudaGraphLaunch(graph_exec, stream));
         } else {
+          if (mode == Mode::kStagedVsFused) {
+            pounce::gpu::set_kernel_path(gpu_ws, run == 0 ? pounce::KernelPath::kStaged : pounce::KernelPath::kFused);
+          }
           pounce::forward(workspace, args, stream);
         }
         CUDA_OK(cudaStreamSynchronize(stream));
@@ -169,11 +175,12 @@ void run_rank(const Model& m, const std::vector<std::vector<RankData>>& data, co
 // Runs `calls` on R GPUs of this process, one thread each; results[call][rank].
 std::vector<std::vector<RankResult>> run_on_gpus(const Model& m,
                                                  const std::vector<std::vector<RankData>>& data,
-                                                 const std::vector<Call>& calls, Mode mode) {
+                                                 const std::vector<Call>& calls, Mode mode,
+                                                 int64_t minibatch_size) {
   const int R = static_cast<int>(m.shape.num_ranks);
   std::vector<std::vector<RankResult>> results(calls.size(), std::vector<RankResult>(R));
   run_ranks(R, [&](const pounce::Group& group, int rank) {
-    run_rank(m, data, calls, mode, group, rank, rank, results);
+    run_rank(m, data, calls, mode, group, rank, rank, results, minibatch_size);
   });
   return results;
 }
@@ -191,7 +198,7 @@ void check_call(const Model& m, const Call& call, const std::vector<RankData>& d
     const RankResult& res = results[r];
     const std::string where = label + " rank " + std::to_string(r);
     ASSERT_EQ(res.error, "") << where;
-    // Determinism: two runs, bitwise equal.
+    // Determinism: two runs, bitwise equal (kStagedVsFused: the staged chain, then the fused kernel).
     ASSERT_EQ(res.out[0], res.out[1]) << where << ": the two runs differ";
     // Schedule: exactly the reference's.
     const pounce::reference::RankSchedule& ref = expected.schedules[r];
@@ -224,9 +231,10 @@ void check_call(const Model& m, const Call& call, const std::vector<RankData>& d
   }
 }
 
-void run_and_check(const Model& m, const std::vector<Call>& calls, Mode mode, const std::string& name) {
+void run_and_check(const Model& m, const std::vector<Call>& calls, Mode mode, const std::string& name,
+                   int64_t minibatch_size = 0) {
   const std::vector<std::vector<RankData>> data = make_call_data(m.shape, calls);
-  const auto results = run_on_gpus(m, data, calls, mode);
+  const auto results = run_on_gpus(m, data, calls, mode, minibatch_size);
   for (size_t c = 0; c < calls.size(); ++c) {
     check_call(m, calls[c], data[c], results[c], name + " call " + std::to_string(c));
   }
@@ -311,6 +319,32 @@ TEST(StagedForward, FourAndEightRanks) {
   }
 }
 
+// The fused kernel against the staged chain, bitwise, over minibatches of one m-block (many handoffs, down
+// tiles waiting on gate/up tiles in flight), the default and one minibatch for everything; routing from
+// uniform to all tokens on one expert, T = 0 on a rank, shared expert and both activations.
+TEST(FusedForward, EqualsStagedBitwise) {
+  SKIP_UNLESS_GPUS(1);
+  const int R = visible_gpus() >= 2 ? 2 : 1;
+  pounce::Activation clamped = pounce::Activation::gpt_oss();
+  clamped.clamp_limit = 2.0f;
+  const Model shared = make_model(make_shape(700, 256, 192, 8, 4, 128, R), clamped, 31);
+  const Model routed = make_model(make_shape(1000, 256, 128, 16, 8, 0, R), pounce::Activation::swiglu(), 32);
+  auto tokens = [R](int64_t a, int64_t b) { return R == 2 ? std::vector<int64_t>{a, b} : std::vector<int64_t>{a}; };
+  for (int64_t minibatch : {int64_t{128}, int64_t{0}, int64_t{1} << 20}) {
+    const std::string label = " minibatch " + std::to_string(minibatch);
+    run_and_check(shared,
+                  {{tokens(700, 513), Routing::kRandom, false, 33},
+                   {tokens(0, 700), Routing::kAllToOneExpert, true, 34},
+                   {tokens(129, 1), Routing::kSparse, false, 35}},
+                  Mode::kStagedVsFused, "fused vs staged, shared expert" + label, minibatch);
+    run_and_check(routed,
+                  {{tokens(1000, 999), Routing::kRandom, false, 36},
+                   {tokens(1000, 1000), Routing::kAllToOneExpert, false, 37},
+                   {tokens(300, 0), Routing::kFewExperts, true, 38}},
+                  Mode::kStagedVsFused, "fused vs staged" + label, minibatch);
+  }
+}
+
 TEST(StagedForward, CudaGraphReplaysNewRouting) {
   SKIP_UNLESS_GPUS(1);
   const int R = visible_gpus() >= 2 ? 2 : 1;
@@ -333,7 +367,7 @@ TEST(StagedForward, OutOfRangeExpertIdIsReportedNotWritten) {
   Call good{{64}, Routing::kRandom, false, 32};
   std::vector<std::vector<RankData>> data = {{make_rank_data(m.shape, bad, 0)},
                                              {make_rank_data(m.shape, good, 0)}};
-  const auto results = run_on_gpus(m, data, {bad, good}, Mode::kEagerTwice);
+  const auto results = run_on_gpus(m, data, {bad, good}, Mode::kEagerTwice, 0);
   EXPECT_NE(results[0][0].error.find("topk_idx value out of range"), std::string::npos)
       << results[0][0].error;
   // The error was reported and cleared: the next call with valid routing succeeds.
@@ -428,7 +462,7 @@ TEST(ProcessGroup, TorchrunEnvironment) {
   std::vector<std::vector<RankResult>> results(calls.size(), std::vector<RankResult>(R));
   int device = 0;
   CUDA_OK(cudaGetDevice(&device));
-  run_rank(m, data, calls, Mode::kEagerTwice, group, rank, device, results);
+  run_rank(m, data, calls, Mode::kEagerTwice, group, rank, device, results, 0);
   for (size_t c = 0; c < calls.size(); ++c)
     check_call(m, calls[c], data[c], results[c], "process group call " + std::to_string(c), rank);
 }

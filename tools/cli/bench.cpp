@@ -110,11 +110,13 @@ Preset bench_preset(const std::string& name) {
 }
 
 void select_impl(const std::string& impl, Config& config) {
-  (void)config;                  // the fused kernel will be chosen through it
-  if (impl == "staged") return;  // the GPU backend's path today: the chain of standalone stage kernels
-  if (impl == "fused")
-    detail::fail("--impl fused: the fused kernel is not in this build yet (issue #4); use --impl staged");
-  detail::fail("--impl ", impl, " is unknown; choose staged or fused");
+  if (impl == "fused") {
+    config.kernel_path = KernelPath::kFused;  // the persistent fused forward kernel (backward: staged)
+  } else if (impl == "staged") {
+    config.kernel_path = KernelPath::kStaged;  // the chain of standalone stage kernels
+  } else {
+    detail::fail("--impl ", impl, " is unknown; choose fused or staged");
+  }
 }
 
 // ---- input rotation ------------------------------------------------------------------------------------

@@ -142,6 +142,9 @@ RunSetup resolve_run(const RunOptions& options, const BackendChoice& backend, co
   setup.config.forward_comm_sms = options.comm_sms;
   setup.config.backward_comm_sms = options.comm_sms;
   setup.config.minibatch_size = options.minibatch;
+  POUNCE_CHECK(options.kernel == "fused" || options.kernel == "staged", "--kernel ", options.kernel,
+               " is unknown; choose fused or staged");
+  setup.config.kernel_path = options.kernel == "fused" ? KernelPath::kFused : KernelPath::kStaged;
   setup.config.backend = backend.backend;
   validate(setup.config, shape);
   setup.shape = shape;

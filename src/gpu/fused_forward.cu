@@ -1,0 +1,117 @@
+// The fused forward (DESIGN.md §2, issue #4): the shared prologue (stage x, routing exchange, barrier,
+// schedule), then ONE persistent kernel for dispatch, shared expert, gate/up + activation, down and the
+// combine push (kernels/fused/fused_forward.cuh), then the combine barrier and the weighted sum.
+// Stream-ordered, nothing allocated, no routing count read on the host: capturable like the staged chain.
+//
+// Heuristic (docs/design.md, "Fused forward"): communication CTAs as the staged overlap's communication SMs
+// (src/gpu/overlap.h: 20 for I < 1024 over several ranks, else 12); minibatches of 8 m-blocks (1024 rows),
+// about one wave of tiles per minibatch on an H200. config.forward_comm_sms and minibatch_size override.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+
+#include "kernels/fused/fused_forward.cuh"
+#include "kernels/gemm/gemm_maps.h"
+#include "src/gpu/gpu_state.h"
+#include "src/gpu/overlap.h"
+#include "src/gpu/stage_timer.h"
+
+namespace pounce::gpu {
+namespace {
+
+constexpr int kDefaultUnitBlocks = 8;
+constexpr int kMaxDevices = 64;
+constexpr size_t kFusedSharedBytes = kernels::gemm::kSharedBytes;
+
+// The opt-in shared-memory limit, once per device.
+void set_fused_shared_limit(int device) {
+  static std::array<std::atomic<bool>, kMaxDevices> ready{};
+  POUNCE_CHECK(device >= 0 && device < kMaxDevices, "device index ", device, " beyond ", kMaxDevices);
+  if (ready[device].load(std::memory_order_acquire)) return;
+  POUNCE_CUDA(cudaFuncSetAttribute(fused::fused_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   static_cast<int>(kFusedSharedBytes)));
+  ready[device].store(true, std::memory_order_release);
+}
+
+kernels::gemm::GroupedGemmArgs gemm_args(int64_t n, int64_t k, void* out0, void* out1, void* out2,
+                                         const kernels::ActivationParams& activation, int32_t* error_flag) {
+  kernels::gemm::GroupedGemmArgs args{};
+  args.n = static_cast<int32_t>(n);
+  args.k = static_cast<int32_t>(k);
+  args.k_split = static_cast<int32_t>(k);
+  args.out_ld = n;
+  args.out0 = static_cast<__nv_bfloat16*>(out0);
+  args.out1 = static_cast<__nv_bfloat16*>(out1);
+  args.out2 = static_cast<__nv_bfloat16*>(out2);
+  args.activation = activation;
+  args.error_flag = error_flag;
+  return args;
+}
+
+}  // namespace
+
+int fused_comm_ctas(const GpuWorkspace& workspace) {
+  const bool comm_heavy =
+      workspace.layout.num_ranks > 1 && workspace.layout.intermediate < kCommHeavyIntermediate;
+  const int configured = workspace.config.forward_comm_sms;
+  const int ctas = configured > 0 ? configured : comm_heavy ? kCommHeavyCommSms : kDefaultCommSms;
+  return std::clamp(ctas, 1, std::max(1, workspace.num_sms / 2));
+}
+
+void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream, bool write_out) {
+  DeviceGuard guard(workspace.device);
+  const layout::WorkspacePointers p = workspace.pointers();
+  const int64_t H = p.hidden, I = p.intermediate, Is = p.shared_intermediate;
+  const int El = p.num_local_experts;
+  POUNCE_CHECK(H % 64 == 0 && I % 64 == 0 && Is % 64 == 0, "the fused kernel needs hidden, intermediate and "
+               "shared_intermediate multiples of 64 (got ", H, ", ", I, ", ", Is, "); fix: pad the weights");
+  set_fused_shared_limit(workspace.device);
+  StageTimer timer("forward", p.rank, stream);
+  const ForwardLaunch launch = launch_forward_prologue(workspace, args, write_out, timer, stream);
+
+  using kernels::gemm::GemmConfig;
+  fused::FusedForwardMaps maps;
+  maps.x_rows = kernels::activation_rows_map(p.x_rows, p.rows_capacity, H);
+  maps.act_rows = kernels::activation_rows_map(p.act_rows, p.rows_capacity, I);
+  maps.sym_x = kernels::activation_rows_map(p.local_sym<const void>(p.sym_x), p.token_capacity, H);
+  maps.gate = kernels::weight_rows_map(args.routed.gate.data, El, I, H, GemmConfig::BLOCK_N / 2);
+  maps.up = kernels::weight_rows_map(args.routed.up.data, El, I, H, GemmConfig::BLOCK_N / 2);
+  maps.down = kernels::weight_rows_map(args.routed.down.data, El, H, I, GemmConfig::BLOCK_N);
+  if (Is > 0) {
+    maps.shared_act = kernels::activation_rows_map(p.shared_act, p.token_capacity, Is);
+    maps.shared_gate = kernels::weight_rows_map(args.shared.gate.data, 1, Is, H, GemmConfig::BLOCK_N / 2);
+    maps.shared_up = kernels::weight_rows_map(args.shared.up.data, 1, Is, H, GemmConfig::BLOCK_N / 2);
+    maps.shared_down = kernels::weight_rows_map(args.shared.down.data, 1, H, Is, GemmConfig::BLOCK_N);
+  } else {  // never read: the task list has no shared tiles
+    maps.shared_act = maps.act_rows;
+    maps.shared_gate = maps.gate;
+    maps.shared_up = maps.up;
+    maps.shared_down = maps.down;
+  }
+
+  fused::FusedForwardParams params{};
+  params.ws = p;
+  int32_t* gemm_error = reinterpret_cast<int32_t*>(p.fused_counters + layout::kFusedGemmError);
+  params.gate_up = gemm_args(I, H, p.g_rows, p.u_rows, p.act_rows, launch.activation, gemm_error);
+  params.down = gemm_args(H, I, p.y_rows, nullptr, nullptr, launch.activation, gemm_error);
+  params.shared_gate_up =
+      gemm_args(std::max<int64_t>(Is, 64), H, p.shared_g, p.shared_u, p.shared_act, launch.activation, gemm_error);
+  params.shared_down = gemm_args(H, std::max<int64_t>(Is, 64), p.shared_y, nullptr, nullptr, launch.activation,
+                                 gemm_error);
+  params.comm_ctas = fused_comm_ctas(workspace);
+  const int64_t minibatch = workspace.config.minibatch_size;
+  params.unit_blocks = minibatch > 0 ? static_cast<int32_t>(std::max<int64_t>(1, minibatch / layout::kBlockM))
+                                     : kDefaultUnitBlocks;
+
+  // Counters start at zero every call (a memset node in a captured graph).
+  POUNCE_CUDA(cudaMemsetAsync(p.fused_counters, 0, workspace.layout.fused_counter_words * sizeof(uint32_t), stream));
+  fused::fused_forward_kernel<<<workspace.num_sms, GemmConfig::kNumThreads, kFusedSharedBytes, stream>>>(maps,
+                                                                                                          params);
+  POUNCE_CUDA(cudaGetLastError());
+  timer.mark("fused");
+  launch_forward_epilogue(workspace, args, launch, write_out, timer, stream);
+}
+
+}  // namespace pounce::gpu
