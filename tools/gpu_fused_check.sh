@@ -26,3 +26,18 @@ for preset in $presets; do
     [ -z "$fwd" ] && echo "$line" | tail -5
   done
 done
+# COMM_SMS="8 16 24": the fused forward per communication-CTA count (and MINIBATCH rows, default heuristic).
+for preset in ${SWEEP_PRESETS:-}; do
+  for sms in ${COMM_SMS:-}; do
+    for mb in ${MINIBATCH:-0}; do
+      line=$(timeout 120 ./build/pounce run --preset "$preset" --tokens "$tokens" --kernel fused --comm-sms "$sms" \
+               --minibatch "$mb" --check-tokens 8 --iters 10 --wgrad-dtype bf16 2>&1)
+      printf '%-16s comm %3s mb %6s forward %s\n' "$preset" "$sms" "$mb" "$(echo "$line" | awk '$1 == "forward" {print $2}')"
+    done
+  done
+done
+# PROFILE_PRESETS: per-stage ms of one fused forward (POUNCE_PROFILE_STAGES, rank 0).
+for preset in ${PROFILE_PRESETS:-}; do
+  POUNCE_PROFILE_STAGES=1 timeout 120 ./build/pounce run --preset "$preset" --tokens "$tokens" --kernel fused \
+    --check-tokens 8 --iters 3 --wgrad-dtype bf16 2>&1 | grep "profile rank 0 forward" | tail -3
+done

@@ -15,20 +15,24 @@
 
 namespace pounce::dispatch {
 
-// Copies `num_vectors` 16-byte vectors with one warp; loads are issued kDepth deep per lane to hide NVLink
-// latency (the fused kernel's few communication warps go 8 deep).
+// Copies `num_vectors` 16-byte vectors with one warp. Each lane issues up to kDepth loads before its first
+// store, the last round predicated rather than serialised, so a row costs ceil(vectors / (32 kDepth))
+// NVLink round trips (the fused kernel's few communication warps go 8 deep).
 template <int kDepth = 4>
 __device__ __forceinline__ void warp_copy_16b(int4* dst, const int4* src, int64_t num_vectors) {
   const int lane = static_cast<int>(threadIdx.x % 32);
-  int64_t v = lane;
-  for (; v + 32 * (kDepth - 1) < num_vectors; v += 32 * kDepth) {
+  for (int64_t base = lane; base < num_vectors; base += 32 * kDepth) {
     int4 in[kDepth];
 #pragma unroll
-    for (int d = 0; d < kDepth; ++d) in[d] = src[v + 32 * d];
+    for (int d = 0; d < kDepth; ++d) {
+      in[d] = make_int4(0, 0, 0, 0);
+      if (base + 32 * d < num_vectors) in[d] = src[base + 32 * d];
+    }
 #pragma unroll
-    for (int d = 0; d < kDepth; ++d) dst[v + 32 * d] = in[d];
+    for (int d = 0; d < kDepth; ++d) {
+      if (base + 32 * d < num_vectors) dst[base + 32 * d] = in[d];
+    }
   }
-  for (; v < num_vectors; v += 32) dst[v] = src[v];
 }
 __device__ __forceinline__ void warp_zero_16b(int4* dst, int64_t num_vectors) {
   for (int64_t v = threadIdx.x % 32; v < num_vectors; v += 32) dst[v] = make_int4(0, 0, 0, 0);
