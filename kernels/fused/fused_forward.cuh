@@ -5,13 +5,14 @@
 // Roles, by arrival (the first `comm_ctas` CTAs to start communicate, so they are resident whenever any
 // compute CTA is and a compute CTA never waits on a communication CTA that cannot run):
 //   communication CTA: pulls the rows of routed minibatch 0, 1, ... (warps strided over the rows, every
-//     communication CTA a share of every minibatch), bumping rows_ready[j] after each; between pulls, and
-//     after the last one, pushes every minibatch whose down tiles are all stored (rows_done[j]) to the
-//     token owners' slots.
+//     communication CTA a share of every minibatch), bumping rows_ready[j] after each.
 //   compute CTA: the GEMM mainloop of kernels/gemm with a task source instead of a static tile walk. The
 //     producer thread takes a ticket (sched/forward_tasks.cuh), waits for the task's inputs, hands the
 //     task to the consumer warpgroups through a two-slot mbarrier ring in shared memory and loads its
 //     stages; the consumers multiply, store through the kind's epilogue, and count the tile done.
+//   combine: a down tile's epilogue stores each row straight into its token owner's slot (src_rank,
+//     src_token, slot) over NVLink, the values the staged path's y_rows + push deliver, so the combine
+//     needs no copy pass and y_rows is not written (backward never reads it).
 // Every handoff is a named release/acquire pair at GPU scope (flags.cuh); TMA reads rows another CTA wrote,
 // so the reader also orders its acquire before its async-proxy loads (fence.proxy.async.global). Every wait
 // is bounded and aborts when another CTA failed. Tiles are computed exactly as by the standalone GEMMs
@@ -63,11 +64,8 @@ struct FusedCounters {
   __device__ uint32_t* role() const { return base + layout::kFusedRole; }
   __device__ uint32_t* abort() const { return base + layout::kFusedAbort; }
   __device__ uint32_t* rows_ready(int32_t j) const { return base + layout::kFusedHeaderWords + j; }
-  __device__ uint32_t* rows_done(int32_t j) const {
-    return base + layout::kFusedHeaderWords + max_m_blocks + j;
-  }
   __device__ uint32_t* gate_up_done(bool shared, int32_t m_block) const {
-    return base + layout::kFusedHeaderWords + 2 * max_m_blocks + (shared ? 0 : token_blocks) + m_block;
+    return base + layout::kFusedHeaderWords + max_m_blocks + (shared ? 0 : token_blocks) + m_block;
   }
 };
 
@@ -77,7 +75,6 @@ struct TaskSlots {
   uint64_t full[2];   // producer -> consumers: task[s] written (1 arrival)
   uint64_t empty[2];  // consumers -> producer: task[s] read by all 8 consumer warps
   int32_t role;
-  int32_t go;  // communication CTAs: broadcast of thread 0's decision
 };
 
 __device__ __forceinline__ FusedCounters counters_of(const FusedForwardParams& p) {
@@ -134,52 +131,15 @@ __device__ __forceinline__ int32_t expert_of_block(const layout::WorkspacePointe
 // ---------------------------------------------------------------------------------------------------
 // Communication CTA
 // ---------------------------------------------------------------------------------------------------
-// Thread 0 decides (waiting when `block`), every thread learns the answer.
-__device__ __forceinline__ bool cta_check_rows_done(const FusedForwardParams& p, TaskSlots& slots,
-                                                    const sched::ForwardTaskShape& shape, int32_t j,
-                                                    bool block) {
-  if (threadIdx.x == 0) {
-    const uint32_t expected = 2u * shape.routed_blocks(j) * shape.down_n;
-    const uint32_t* done = counters_of(p).rows_done(j);
-    bool ready;
-    if (block) {
-      ready = wait_count(p, done, expected, layout::WaitId::kFusedRowsDone, j);
-    } else {
-      ready = flags::ld_acquire_gpu(done) >= expected;
-    }
-    slots.go = ready ? 1 : 0;
-  }
-  __syncthreads();
-  const bool go = slots.go == 1;
-  __syncthreads();  // slots.go is written again by the next decision
-  return go;
-}
-
-__device__ __forceinline__ void run_communication(const FusedForwardParams& p, TaskSlots& slots, int32_t comm_idx) {
+__device__ __forceinline__ void run_communication(const FusedForwardParams& p, int32_t comm_idx) {
   const layout::WorkspacePointers& ws = p.ws;
   const FusedCounters counters = counters_of(p);
   const sched::ForwardTaskShape shape = task_shape_of(p);
-  const int32_t num_units = shape.routed_units();
   const int64_t warp = static_cast<int64_t>(comm_idx) * kWarps + threadIdx.x / 32;
   const int64_t num_warps = static_cast<int64_t>(p.comm_ctas) * kWarps;
   const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
   int4* x_rows = static_cast<int4*>(ws.x_rows);
-  const int4* y_rows = static_cast<const int4*>(ws.y_rows);
-
-  auto push_unit = [&](int32_t j) {
-    const int64_t first = static_cast<int64_t>(j) * shape.unit_blocks * GemmConfig::BLOCK_M;
-    const int64_t end = first + static_cast<int64_t>(shape.routed_blocks(j)) * GemmConfig::BLOCK_M;
-    for (int64_t row = first + warp; row < end; row += num_warps) {
-      const layout::ScheduleEntry entry = ws.schedule[row];
-      if (entry.src_rank < 0) continue;
-      int4* dst = ws.peer<int4>(entry.src_rank, ws.sym_y_slots) +
-                  (static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot) * row_vectors;
-      dispatch::warp_copy_16b<8>(dst, y_rows + row * row_vectors, row_vectors);
-    }
-  };
-
-  int32_t next_push = 0;
-  for (int32_t j = 0; j < num_units; ++j) {
+  for (int32_t j = 0; j < shape.routed_units(); ++j) {
     const int64_t first = static_cast<int64_t>(j) * shape.unit_blocks * GemmConfig::BLOCK_M;
     const int64_t end = first + static_cast<int64_t>(shape.routed_blocks(j)) * GemmConfig::BLOCK_M;
     for (int64_t row = first + warp; row < end; row += num_warps) {
@@ -196,13 +156,39 @@ __device__ __forceinline__ void run_communication(const FusedForwardParams& p, T
       kernels::ptx::fence_proxy_async_global();
       flags::red_release_gpu_add(counters.rows_ready(j), 1u);
     }
-    // Push what is finished already; pulling the next minibatch comes first otherwise.
-    while (next_push <= j && cta_check_rows_done(p, slots, shape, next_push, /*block=*/false)) push_unit(next_push++);
-    if (*counters.abort() != 0) return;
   }
-  while (next_push < num_units) {
-    if (!cta_check_rows_done(p, slots, shape, next_push, /*block=*/true)) return;
-    push_unit(next_push++);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Combine epilogue of a down tile
+// ---------------------------------------------------------------------------------------------------
+// Row r of the tile is y of schedule[r] = (src_rank, src_token, slot): its bf16 values go straight to
+// peer(src_rank).y_slots[src_token][slot] (padding rows nowhere). Same packing as store_tile_bf16.
+__device__ __forceinline__ void store_tile_to_slots(const float (&acc)[128], const layout::WorkspacePointers& ws,
+                                                    int32_t n, int32_t m_block, int32_t n_block, int consumer_idx) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = kernels::gemm::tile_row(m_block, consumer_idx);
+  const int32_t col_block = n_block * GemmConfig::BLOCK_N;
+  __nv_bfloat16* dst[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const layout::ScheduleEntry entry = ws.schedule[row + 8 * h];
+    dst[h] = entry.src_rank < 0 ? nullptr
+                                : ws.peer<__nv_bfloat16>(entry.src_rank, ws.sym_y_slots) +
+                                      (static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot) * ws.hidden;
+  }
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    if (col_block + 32 * m >= n) break;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t w[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        w[c] = kernels::ptx::pack_bf16x2(acc[4 * (4 * m + c) + 2 * h], acc[4 * (4 * m + c) + 2 * h + 1]);
+      kernels::gemm::quad_transpose(w, lane);  // every lane takes part; only the store is conditional
+      if (dst[h] != nullptr) kernels::gemm::store_16_bytes(dst[h] + col_block + 32 * m + 8 * (lane % 4), w);
+    }
   }
 }
 
@@ -311,9 +297,9 @@ __device__ __forceinline__ void run_task_consumer(kernels::gemm::SharedStorage& 
         done = counters.gate_up_done(false, task.m_block);
         break;
       case TaskKind::kDown:
-        ok = kernels::gemm::consume_tile<kDownGemm>(ss, ring, p.down, tile, 0, p.down.k / GemmConfig::BLOCK_K,
-                                                    consumer_idx, acc);
-        done = counters.rows_done(task.unit);
+        ok = kernels::gemm::multiply_tile<kDownGemm>(ss, ring, p.down, 0, p.down.k / GemmConfig::BLOCK_K,
+                                                     consumer_idx, acc);
+        if (ok) store_tile_to_slots(acc, p.ws, p.down.n, task.m_block, task.n_block, consumer_idx);
         break;
       case TaskKind::kEnd:
         break;
@@ -360,7 +346,7 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
   __syncthreads();
   const int32_t role = slots.role;
   if (role < params.comm_ctas) {
-    run_communication(params, slots, role);
+    run_communication(params, role);
     return;
   }
   const int warpgroup_idx = threadIdx.x / 128;

@@ -468,15 +468,13 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t tile_base, int kk) {
   }
 }
 
-// Multiplies this warpgroup's 64 rows of one tile over K blocks [kb_begin, kb_end) and stores them through
-// the kind's epilogue. False when a stage never filled (recorded in args.error_flag).
+// Multiplies this warpgroup's 64 rows of one tile over K blocks [kb_begin, kb_end) into `acc`. False when a
+// stage never filled (recorded in args.error_flag).
 template <GemmKind kKind>
-__device__ __forceinline__ bool consume_tile(SharedStorage& ss, RingPosition& ring, const GroupedGemmArgs& args,
-                                             const Tile& tile, int32_t kb_begin, int32_t kb_end,
-                                             int consumer_idx, float (&acc)[128]) {
+__device__ __forceinline__ bool multiply_tile(SharedStorage& ss, RingPosition& ring, const GroupedGemmArgs& args,
+                                              int32_t kb_begin, int32_t kb_end, int consumer_idx,
+                                              float (&acc)[128]) {
   using C = GemmConfig;
-  constexpr Epilogue kEpilogue = kKind.epilogue;
-  const int warp_in_group = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
   // This warpgroup's 64 rows of A: rows 64c.. of a K-major tile, or box c of an M-major one; both 8 KB in.
   const uint32_t a_offset_bytes = consumer_idx * 64 * C::BLOCK_K * 2;
@@ -511,9 +509,23 @@ __device__ __forceinline__ bool consume_tile(SharedStorage& ss, RingPosition& ri
   ptx::wgmma_wait_group<0>();
   fence_accumulators(acc);
   if (kb_end > kb_begin) release(prev_stage);
+  return true;
+}
 
-  const int64_t row =
-      static_cast<int64_t>(tile.m_block) * C::BLOCK_M + consumer_idx * 64 + warp_in_group * 16 + lane / 4;
+// This lane's first row of a tile (the second is 8 below): consumer warpgroup, warp and quad.
+__device__ __forceinline__ int64_t tile_row(int32_t m_block, int consumer_idx) {
+  const int warp_in_group = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  return static_cast<int64_t>(m_block) * GemmConfig::BLOCK_M + consumer_idx * 64 + warp_in_group * 16 + lane / 4;
+}
+
+// Stores this warpgroup's rows of a multiplied tile through the kind's epilogue.
+template <GemmKind kKind>
+__device__ __forceinline__ void store_tile(const float (&acc)[128], const GroupedGemmArgs& args, const Tile& tile,
+                                           bool has_k_blocks, int consumer_idx) {
+  constexpr Epilogue kEpilogue = kKind.epilogue;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = tile_row(tile.m_block, consumer_idx);
   const int32_t col_block = tile.n_block * kOutBlockN<kEpilogue>;
   if constexpr (kEpilogue == Epilogue::kStore) {
     store_tile_bf16(acc, args.out0, args.out_ld, args.n, row, col_block, INT64_MAX, lane);
@@ -521,11 +533,20 @@ __device__ __forceinline__ bool consume_tile(SharedStorage& ss, RingPosition& ri
     store_gate_up_tile(acc, args, row, col_block, lane);
   } else if constexpr (kEpilogue == Epilogue::kActivationBackward) {
     store_activation_backward_tile(acc, args, row, col_block, lane);
-  } else if (kb_end > kb_begin) {
+  } else if (has_k_blocks) {
     store_weight_grad_tile(acc, args, tile.group, row, col_block, lane);
   } else {
     store_weight_grad_zeros(args, tile.group, row, col_block, lane);  // an expert without rows
   }
+}
+
+// Multiply, then store. False when a stage never filled.
+template <GemmKind kKind>
+__device__ __forceinline__ bool consume_tile(SharedStorage& ss, RingPosition& ring, const GroupedGemmArgs& args,
+                                             const Tile& tile, int32_t kb_begin, int32_t kb_end,
+                                             int consumer_idx, float (&acc)[128]) {
+  if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc)) return false;
+  store_tile<kKind>(acc, args, tile, kb_end > kb_begin, consumer_idx);
   return true;
 }
 
