@@ -10,9 +10,14 @@
 //     producer thread takes a ticket (sched/forward_tasks.cuh), waits for the task's inputs, hands the
 //     task to the consumer warpgroups through a two-slot mbarrier ring in shared memory and loads its
 //     stages; the consumers multiply, store through the kind's epilogue, and count the tile done.
-//   combine: a down tile's epilogue stores each row straight into its token owner's slot (src_rank,
-//     src_token, slot) over NVLink, the values the staged path's y_rows + push deliver, so the combine
-//     needs no copy pass and y_rows is not written (backward never reads it).
+//   combine, one of two ways (params.push_combine, chosen per shape by src/gpu/fused_forward.cu):
+//     - push: the down tile stores y_rows and counts rows_done[j]; between pulls, and after the last one,
+//       the communication CTAs push every minibatch whose down tiles are all stored to the token owners'
+//       slots. Suits short down mainloops (small I), whose epilogue must not wait on NVLink stores.
+//     - scatter: the down tile's epilogue stores each row straight into its token owner's slot (src_rank,
+//       src_token, slot) over NVLink: no copy pass, y_rows not written (backward never reads it), and few
+//       communication CTAs suffice.
+//     Both deliver the same values to the same slots.
 // Every handoff is a named release/acquire pair at GPU scope (flags.cuh); TMA reads rows another CTA wrote,
 // so the reader also orders its acquire before its async-proxy loads (fence.proxy.async.global). Every wait
 // is bounded and aborts when another CTA failed. Tiles are computed exactly as by the standalone GEMMs
@@ -54,6 +59,7 @@ struct FusedForwardParams {
   GroupedGemmArgs gate_up, down, shared_gate_up, shared_down;  // outputs, extents, activation per GEMM
   int32_t comm_ctas;
   int32_t unit_blocks;  // m-blocks per minibatch
+  bool push_combine;    // true: communication CTAs push y_rows; false: down epilogues scatter into slots
 };
 
 // Counter regions inside ws.fused_counters (layout::kFused*).
@@ -64,8 +70,9 @@ struct FusedCounters {
   __device__ uint32_t* role() const { return base + layout::kFusedRole; }
   __device__ uint32_t* abort() const { return base + layout::kFusedAbort; }
   __device__ uint32_t* rows_ready(int32_t j) const { return base + layout::kFusedHeaderWords + j; }
+  __device__ uint32_t* rows_done(int32_t j) const { return base + layout::kFusedHeaderWords + max_m_blocks + j; }
   __device__ uint32_t* gate_up_done(bool shared, int32_t m_block) const {
-    return base + layout::kFusedHeaderWords + max_m_blocks + (shared ? 0 : token_blocks) + m_block;
+    return base + layout::kFusedHeaderWords + 2 * max_m_blocks + (shared ? 0 : token_blocks) + m_block;
   }
 };
 
@@ -75,6 +82,7 @@ struct TaskSlots {
   uint64_t full[2];   // producer -> consumers: task[s] written (1 arrival)
   uint64_t empty[2];  // consumers -> producer: task[s] read by all 8 consumer warps
   int32_t role;
+  int32_t go;  // communication CTAs: thread 0's decision, broadcast
 };
 
 __device__ __forceinline__ FusedCounters counters_of(const FusedForwardParams& p) {
@@ -131,17 +139,53 @@ __device__ __forceinline__ int32_t expert_of_block(const layout::WorkspacePointe
 // ---------------------------------------------------------------------------------------------------
 // Communication CTA
 // ---------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void run_communication(const FusedForwardParams& p, int32_t comm_idx) {
+// Thread 0 decides whether routed minibatch j's down tiles are all stored (waiting for it when `block`);
+// every thread learns the answer.
+__device__ __forceinline__ bool cta_rows_done(const FusedForwardParams& p, TaskSlots& slots,
+                                              const sched::ForwardTaskShape& shape, int32_t j, bool block) {
+  if (threadIdx.x == 0) {
+    const uint32_t expected = 2u * shape.routed_blocks(j) * shape.down_n;
+    const uint32_t* done = counters_of(p).rows_done(j);
+    const bool ready = block ? wait_count(p, done, expected, layout::WaitId::kFusedRowsDone, j)
+                             : flags::ld_acquire_gpu(done) >= expected;
+    slots.go = ready ? 1 : 0;
+  }
+  __syncthreads();
+  const bool go = slots.go == 1;
+  __syncthreads();  // slots.go is written again by the next decision
+  return go;
+}
+
+__device__ __forceinline__ void run_communication(const FusedForwardParams& p, TaskSlots& slots, int32_t comm_idx) {
   const layout::WorkspacePointers& ws = p.ws;
   const FusedCounters counters = counters_of(p);
   const sched::ForwardTaskShape shape = task_shape_of(p);
+  const int32_t num_units = shape.routed_units();
   const int64_t warp = static_cast<int64_t>(comm_idx) * kWarps + threadIdx.x / 32;
   const int64_t num_warps = static_cast<int64_t>(p.comm_ctas) * kWarps;
   const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
   int4* x_rows = static_cast<int4*>(ws.x_rows);
-  for (int32_t j = 0; j < shape.routed_units(); ++j) {
-    const int64_t first = static_cast<int64_t>(j) * shape.unit_blocks * GemmConfig::BLOCK_M;
-    const int64_t end = first + static_cast<int64_t>(shape.routed_blocks(j)) * GemmConfig::BLOCK_M;
+  const int4* y_rows = static_cast<const int4*>(ws.y_rows);
+  auto unit_rows = [&](int32_t j, int64_t& first, int64_t& end) {
+    first = static_cast<int64_t>(j) * shape.unit_blocks * GemmConfig::BLOCK_M;
+    end = first + static_cast<int64_t>(shape.routed_blocks(j)) * GemmConfig::BLOCK_M;
+  };
+  auto push_unit = [&](int32_t j) {
+    int64_t first, end;
+    unit_rows(j, first, end);
+    for (int64_t row = first + warp; row < end; row += num_warps) {
+      const layout::ScheduleEntry entry = ws.schedule[row];
+      if (entry.src_rank < 0) continue;
+      int4* dst = ws.peer<int4>(entry.src_rank, ws.sym_y_slots) +
+                  (static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot) * row_vectors;
+      dispatch::warp_copy_16b<8>(dst, y_rows + row * row_vectors, row_vectors);
+    }
+  };
+
+  int32_t next_push = 0;
+  for (int32_t j = 0; j < num_units; ++j) {
+    int64_t first, end;
+    unit_rows(j, first, end);
     for (int64_t row = first + warp; row < end; row += num_warps) {
       const layout::ScheduleEntry entry = ws.schedule[row];
       if (entry.src_rank < 0) {
@@ -156,6 +200,15 @@ __device__ __forceinline__ void run_communication(const FusedForwardParams& p, i
       kernels::ptx::fence_proxy_async_global();
       flags::red_release_gpu_add(counters.rows_ready(j), 1u);
     }
+    if (!p.push_combine) continue;
+    // Push what is finished already; pulling the next minibatch comes first otherwise.
+    while (next_push <= j && cta_rows_done(p, slots, shape, next_push, /*block=*/false)) push_unit(next_push++);
+    if (*counters.abort() != 0) return;
+  }
+  if (!p.push_combine) return;
+  while (next_push < num_units) {
+    if (!cta_rows_done(p, slots, shape, next_push, /*block=*/true)) return;
+    push_unit(next_push++);
   }
 }
 
@@ -299,7 +352,13 @@ __device__ __forceinline__ void run_task_consumer(kernels::gemm::SharedStorage& 
       case TaskKind::kDown:
         ok = kernels::gemm::multiply_tile<kDownGemm>(ss, ring, p.down, 0, p.down.k / GemmConfig::BLOCK_K,
                                                      consumer_idx, acc);
-        if (ok) store_tile_to_slots(acc, p.ws, p.down.n, task.m_block, task.n_block, consumer_idx);
+        if (!ok) break;
+        if (p.push_combine) {
+          kernels::gemm::store_tile<kDownGemm>(acc, p.down, tile, true, consumer_idx);
+          done = counters.rows_done(task.unit);
+        } else {
+          store_tile_to_slots(acc, p.ws, p.down.n, task.m_block, task.n_block, consumer_idx);
+        }
         break;
       case TaskKind::kEnd:
         break;
@@ -346,7 +405,7 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
   __syncthreads();
   const int32_t role = slots.role;
   if (role < params.comm_ctas) {
-    run_communication(params, role);
+    run_communication(params, slots, role);
     return;
   }
   const int warpgroup_idx = threadIdx.x / 128;

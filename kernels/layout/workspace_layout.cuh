@@ -63,7 +63,8 @@ enum class WaitId : int32_t {
   // Inside the fused forward kernel (one GPU; `peer` is the minibatch or m-block waited on):
   kFusedRowsReady = 5,     // compute CTA: a minibatch's rows pulled by every communication CTA
   kFusedGateUpDone = 6,    // compute CTA: every gate/up tile of an m-block stored, before its down tiles
-  kFusedTaskHandoff = 7,   // producer <-> consumer warpgroups of one CTA (task slots, stage ring)
+  kFusedRowsDone = 7,      // communication CTA: every down tile of a minibatch stored, before its push
+  kFusedTaskHandoff = 8,   // producer <-> consumer warpgroups of one CTA (task slots, stage ring)
 };
 
 // The fused forward kernel's GPU-scope counters (local region, zeroed before every launch), in uint32
@@ -127,9 +128,9 @@ struct WorkspaceLayout {
   int64_t loc_shared_u = 0;           // bf16 [token_capacity][Is]
   int64_t loc_shared_act = 0;         // bf16 [token_capacity][Is]
   int64_t loc_shared_y = 0;           // bf16 [token_capacity][H]    (0 bytes when Is = 0)
-  // fused forward only: uint32 [kFusedHeaderWords + 2 * max_m_blocks + token_blocks], max_m_blocks =
-  // rows_capacity / 128, token_blocks = token_capacity / 128: rows_ready per minibatch (at most one per
-  // m-block), then gate_up_done per shared and per routed m-block
+  // fused forward only: uint32 [kFusedHeaderWords + 3 * max_m_blocks + token_blocks], max_m_blocks =
+  // rows_capacity / 128, token_blocks = token_capacity / 128: rows_ready and rows_done per minibatch (at
+  // most one per m-block), then gate_up_done per shared and per routed m-block
   int64_t loc_fused_counters = 0;
   int64_t fused_counter_words = 0;
   // backward only (nothing here is forward context)
@@ -195,7 +196,7 @@ struct WorkspaceLayout {
     l.loc_shared_u = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_act = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_y = carve(Is > 0 ? l.token_capacity * H * kBf16Bytes : 0);
-    l.fused_counter_words = kFusedHeaderWords + 2 * (l.rows_capacity / kBlockM) + l.token_capacity / kBlockM;
+    l.fused_counter_words = kFusedHeaderWords + 3 * (l.rows_capacity / kBlockM) + l.token_capacity / kBlockM;
     l.loc_fused_counters = carve(l.fused_counter_words * 4);
     l.loc_dy_rows = carve(l.rows_capacity * H * kBf16Bytes);
     l.loc_d_gu_rows = carve(l.rows_capacity * 2 * I * kBf16Bytes);

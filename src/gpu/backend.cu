@@ -405,6 +405,8 @@ const char* wait_name(layout::WaitId id) {
       return "fused forward: minibatch rows pulled";
     case layout::WaitId::kFusedGateUpDone:
       return "fused forward: gate/up tiles of an m-block";
+    case layout::WaitId::kFusedRowsDone:
+      return "fused forward: down tiles of a minibatch, before its push";
     case layout::WaitId::kFusedTaskHandoff:
       return "fused forward: task or stage handoff inside a CTA";
     case layout::WaitId::kNone:

@@ -3,14 +3,21 @@
 // combine push (kernels/fused/fused_forward.cuh), then the combine barrier and the weighted sum.
 // Stream-ordered, nothing allocated, no routing count read on the host: capturable like the staged chain.
 //
-// Heuristic (docs/design.md, "Fused forward"): communication CTAs as the staged overlap's communication SMs
-// (src/gpu/overlap.h: 20 for I < 1024 over several ranks, else 12); minibatches of 8 m-blocks (1024 rows),
-// about one wave of tiles per minibatch on an H200. config.forward_comm_sms and minibatch_size override.
+// Heuristic (docs/design.md, "Fused forward", from the EP2 sweeps there):
+//   - several ranks and I < 1024 (qwen3: down tiles with a short mainloop, transfers heavy): the
+//     communication CTAs push the combine, 24 of them (16: +12 %, 32: +6 % forward time);
+//   - otherwise the down epilogues scatter into the owners' slots and the communication CTAs only pull:
+//     4 of them over several ranks (8 and 12 cost 2-9 %), 8 on one rank (a local copy; not swept);
+//   - minibatches of 8 m-blocks (1024 rows), about one wave of tiles each on an H200.
+// config.forward_comm_sms and minibatch_size override; POUNCE_FUSED_COMBINE=push|scatter overrides the
+// combine (tests cover both on every shape).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdlib>
+#include <string>
 
 #include "kernels/fused/fused_forward.cuh"
 #include "kernels/gemm/gemm_maps.h"
@@ -22,6 +29,9 @@ namespace pounce::gpu {
 namespace {
 
 constexpr int kDefaultUnitBlocks = 8;
+constexpr int kPushCommCtas = 24;
+constexpr int kScatterCommCtas = 4;
+constexpr int kOneRankCommCtas = 8;
 constexpr int kMaxDevices = 64;
 constexpr size_t kFusedSharedBytes = kernels::gemm::kSharedBytes;
 
@@ -52,12 +62,22 @@ kernels::gemm::GroupedGemmArgs gemm_args(int64_t n, int64_t k, void* out0, void*
 
 }  // namespace
 
-int fused_comm_ctas(const GpuWorkspace& workspace) {
-  const bool comm_heavy =
-      workspace.layout.num_ranks > 1 && workspace.layout.intermediate < kCommHeavyIntermediate;
+bool fused_push_combine(const GpuWorkspace& workspace) {
+  if (const char* value = std::getenv("POUNCE_FUSED_COMBINE")) {
+    const std::string choice(value);
+    POUNCE_CHECK(choice == "push" || choice == "scatter", "environment POUNCE_FUSED_COMBINE = '", choice,
+                 "' must be push or scatter (or unset for the heuristic)");
+    return choice == "push";
+  }
+  return workspace.layout.num_ranks > 1 && workspace.layout.intermediate < kCommHeavyIntermediate;
+}
+
+int fused_comm_ctas(const GpuWorkspace& workspace, bool push_combine) {
+  const int heuristic = push_combine                      ? kPushCommCtas
+                        : workspace.layout.num_ranks > 1 ? kScatterCommCtas
+                                                          : kOneRankCommCtas;
   const int configured = workspace.config.forward_comm_sms;
-  const int ctas = configured > 0 ? configured : comm_heavy ? kCommHeavyCommSms : kDefaultCommSms;
-  return std::clamp(ctas, 1, std::max(1, workspace.num_sms / 2));
+  return std::clamp(configured > 0 ? configured : heuristic, 1, std::max(1, workspace.num_sms / 2));
 }
 
 void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream, bool write_out) {
@@ -100,7 +120,8 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
       gemm_args(std::max<int64_t>(Is, 64), H, p.shared_g, p.shared_u, p.shared_act, launch.activation, gemm_error);
   params.shared_down = gemm_args(H, std::max<int64_t>(Is, 64), p.shared_y, nullptr, nullptr, launch.activation,
                                  gemm_error);
-  params.comm_ctas = fused_comm_ctas(workspace);
+  params.push_combine = fused_push_combine(workspace);
+  params.comm_ctas = fused_comm_ctas(workspace, params.push_combine);
   const int64_t minibatch = workspace.config.minibatch_size;
   params.unit_blocks = minibatch > 0 ? static_cast<int32_t>(std::max<int64_t>(1, minibatch / layout::kBlockM))
                                      : kDefaultUnitBlocks;

@@ -319,9 +319,10 @@ TEST(StagedForward, FourAndEightRanks) {
   }
 }
 
-// The fused kernel against the staged chain, bitwise, over minibatches of one m-block (many handoffs, down
-// tiles waiting on gate/up tiles in flight), the default and one minibatch for everything; routing from
-// uniform to all tokens on one expert, T = 0 on a rank, shared expert and both activations.
+// The fused kernel against the staged chain, bitwise, with both combines (push by the communication CTAs,
+// scatter from the down epilogues), over minibatches of one m-block (many handoffs, down tiles waiting on
+// gate/up tiles in flight) and the default; routing from uniform to all tokens on one expert, T = 0 on a
+// rank, shared expert and both activations.
 TEST(FusedForward, EqualsStagedBitwise) {
   SKIP_UNLESS_GPUS(1);
   const int R = visible_gpus() >= 2 ? 2 : 1;
@@ -330,19 +331,23 @@ TEST(FusedForward, EqualsStagedBitwise) {
   const Model shared = make_model(make_shape(700, 256, 192, 8, 4, 128, R), clamped, 31);
   const Model routed = make_model(make_shape(1000, 256, 128, 16, 8, 0, R), pounce::Activation::swiglu(), 32);
   auto tokens = [R](int64_t a, int64_t b) { return R == 2 ? std::vector<int64_t>{a, b} : std::vector<int64_t>{a}; };
-  for (int64_t minibatch : {int64_t{128}, int64_t{0}, int64_t{1} << 20}) {
-    const std::string label = " minibatch " + std::to_string(minibatch);
-    run_and_check(shared,
-                  {{tokens(700, 513), Routing::kRandom, false, 33},
-                   {tokens(0, 700), Routing::kAllToOneExpert, true, 34},
-                   {tokens(129, 1), Routing::kSparse, false, 35}},
-                  Mode::kStagedVsFused, "fused vs staged, shared expert" + label, minibatch);
-    run_and_check(routed,
-                  {{tokens(1000, 999), Routing::kRandom, false, 36},
-                   {tokens(1000, 1000), Routing::kAllToOneExpert, false, 37},
-                   {tokens(300, 0), Routing::kFewExperts, true, 38}},
-                  Mode::kStagedVsFused, "fused vs staged" + label, minibatch);
+  for (const char* combine : {"push", "scatter"}) {
+    ASSERT_EQ(setenv("POUNCE_FUSED_COMBINE", combine, 1), 0);  // read at each launch
+    for (int64_t minibatch : {int64_t{128}, int64_t{0}}) {
+      const std::string label = std::string(" combine ") + combine + " minibatch " + std::to_string(minibatch);
+      run_and_check(shared,
+                    {{tokens(700, 513), Routing::kRandom, false, 33},
+                     {tokens(0, 700), Routing::kAllToOneExpert, true, 34},
+                     {tokens(129, 1), Routing::kSparse, false, 35}},
+                    Mode::kStagedVsFused, "fused vs staged, shared expert" + label, minibatch);
+      run_and_check(routed,
+                    {{tokens(1000, 999), Routing::kRandom, false, 36},
+                     {tokens(1000, 1000), Routing::kAllToOneExpert, false, 37},
+                     {tokens(300, 0), Routing::kFewExperts, true, 38}},
+                    Mode::kStagedVsFused, "fused vs staged" + label, minibatch);
+    }
   }
+  unsetenv("POUNCE_FUSED_COMBINE");
 }
 
 TEST(StagedForward, CudaGraphReplaysNewRouting) {
