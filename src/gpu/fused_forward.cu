@@ -5,10 +5,12 @@
 //
 // Heuristic (docs/design.md, "Fused forward", from the EP2 sweeps there):
 //   - several ranks and I < 1024 (qwen3: down tiles with a short mainloop, transfers heavy): the
-//     communication CTAs push the combine, 24 of them (16: +12 %, 32: +6 % forward time);
+//     communication CTAs push the combine, 20 of them (16: +15 %, 28: +5 % forward time), in
+//     minibatches of 16 m-blocks (8: +8 %, 32: +4 %);
 //   - otherwise the down epilogues scatter into the owners' slots and the communication CTAs only pull:
 //     4 of them over several ranks (8 and 12 cost 2-9 %), 8 on one rank (a local copy; not swept);
-//   - minibatches of 8 m-blocks (1024 rows), about one wave of tiles each on an H200.
+//   - minibatches of 8 m-blocks (1024 rows) otherwise, about one wave of tiles each (16 within noise, 32
+//     +4-7 %).
 // config.forward_comm_sms and minibatch_size override; POUNCE_FUSED_COMBINE=push|scatter overrides the
 // combine (tests cover both on every shape).
 #include <cuda_runtime.h>
@@ -29,7 +31,8 @@ namespace pounce::gpu {
 namespace {
 
 constexpr int kDefaultUnitBlocks = 8;
-constexpr int kPushCommCtas = 24;
+constexpr int kPushUnitBlocks = 16;
+constexpr int kPushCommCtas = 20;
 constexpr int kScatterCommCtas = 4;
 constexpr int kOneRankCommCtas = 8;
 constexpr int kMaxDevices = 64;
@@ -123,8 +126,9 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   params.push_combine = fused_push_combine(workspace);
   params.comm_ctas = fused_comm_ctas(workspace, params.push_combine);
   const int64_t minibatch = workspace.config.minibatch_size;
+  const int32_t heuristic_blocks = params.push_combine ? kPushUnitBlocks : kDefaultUnitBlocks;
   params.unit_blocks = minibatch > 0 ? static_cast<int32_t>(std::max<int64_t>(1, minibatch / layout::kBlockM))
-                                     : kDefaultUnitBlocks;
+                                     : heuristic_blocks;
 
   // Counters start at zero every call (a memset node in a captured graph).
   POUNCE_CUDA(cudaMemsetAsync(p.fused_counters, 0, workspace.layout.fused_counter_words * sizeof(uint32_t), stream));
