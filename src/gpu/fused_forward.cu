@@ -5,12 +5,13 @@
 //
 // Heuristic (docs/design.md, "Fused forward", from the EP2 sweeps there):
 //   - several ranks and I < 1024 (qwen3: down tiles with a short mainloop, transfers heavy): the
-//     communication CTAs push the combine, 20 of them (16: +15 %, 28: +5 % forward time), in
-//     minibatches of 16 m-blocks (8: +8 %, 32: +4 %);
+//     communication CTAs push the combine, 20 of them (16: +16 %, 28: +5 % forward time), in
+//     minibatches of 16 m-blocks (8: +9 %; with 24 CTAs 32: +3 %, 64: +8 %);
 //   - otherwise the down epilogues scatter into the owners' slots and the communication CTAs only pull:
 //     4 of them over several ranks (8 and 12 cost 2-9 %), 8 on one rank (a local copy; not swept);
 //   - minibatches of 8 m-blocks (1024 rows) otherwise, about one wave of tiles each (16 within noise, 32
-//     +4-7 %).
+//     +3-7 %).
+// The sweeps: bench/results/sweep_fused_ep2_8192_2026-11-29.txt.
 // config.forward_comm_sms and minibatch_size override; POUNCE_FUSED_COMBINE=push|scatter overrides the
 // combine (tests cover both on every shape).
 #include <cuda_runtime.h>
