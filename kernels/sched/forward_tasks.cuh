@@ -20,6 +20,8 @@
 
 #include <cstdint>
 
+#include "kernels/layout/workspace_layout.cuh"  // POUNCE_HOST_DEVICE: the list is also checked on the CPU
+
 namespace pounce::sched {
 
 enum class TaskKind : int32_t { kEnd = 0, kSharedGateUp, kSharedDown, kGateUp, kDown };
@@ -39,34 +41,36 @@ struct ForwardTaskShape {
   int32_t shared_gate_up_n, shared_down_n;  // n-blocks per m-block of each GEMM
   int32_t gate_up_n, down_n;
 
-  __device__ int32_t shared_units() const { return (shared_m_blocks + unit_blocks - 1) / unit_blocks; }
-  __device__ int32_t routed_units() const { return (routed_m_blocks + unit_blocks - 1) / unit_blocks; }
-  __device__ int32_t num_units() const { return shared_units() + routed_units(); }
-  __device__ bool is_shared(int32_t u) const { return u < shared_units(); }
+  POUNCE_HOST_DEVICE int32_t shared_units() const { return (shared_m_blocks + unit_blocks - 1) / unit_blocks; }
+  POUNCE_HOST_DEVICE int32_t routed_units() const { return (routed_m_blocks + unit_blocks - 1) / unit_blocks; }
+  POUNCE_HOST_DEVICE int32_t num_units() const { return shared_units() + routed_units(); }
+  POUNCE_HOST_DEVICE bool is_shared(int32_t u) const { return u < shared_units(); }
   // Routed unit index of unit u (valid when !is_shared(u)).
-  __device__ int32_t routed_index(int32_t u) const { return u - shared_units(); }
-  __device__ int32_t first_block(int32_t u) const {
+  POUNCE_HOST_DEVICE int32_t routed_index(int32_t u) const { return u - shared_units(); }
+  POUNCE_HOST_DEVICE int32_t first_block(int32_t u) const {
     return (is_shared(u) ? u : routed_index(u)) * unit_blocks;
   }
-  __device__ int32_t blocks(int32_t u) const {
+  POUNCE_HOST_DEVICE int32_t blocks(int32_t u) const {
     const int32_t total = is_shared(u) ? shared_m_blocks : routed_m_blocks;
-    return min(unit_blocks, total - first_block(u));
+    return static_cast<int32_t>(layout::min_i64(unit_blocks, total - first_block(u)));
   }
   // Blocks of routed unit j (the communication CTAs' view).
-  __device__ int32_t routed_blocks(int32_t j) const { return min(unit_blocks, routed_m_blocks - j * unit_blocks); }
-  __device__ int32_t gate_up_tiles(int32_t u) const {
+  POUNCE_HOST_DEVICE int32_t routed_blocks(int32_t j) const {
+    return static_cast<int32_t>(layout::min_i64(unit_blocks, routed_m_blocks - j * unit_blocks));
+  }
+  POUNCE_HOST_DEVICE int32_t gate_up_tiles(int32_t u) const {
     return blocks(u) * (is_shared(u) ? shared_gate_up_n : gate_up_n);
   }
-  __device__ int32_t down_tiles(int32_t u) const { return blocks(u) * (is_shared(u) ? shared_down_n : down_n); }
+  POUNCE_HOST_DEVICE int32_t down_tiles(int32_t u) const { return blocks(u) * (is_shared(u) ? shared_down_n : down_n); }
 };
 
 // Walks the list forward. One cursor per CTA: a CTA's tickets only grow, so the cursor never rewinds.
 class ForwardTaskCursor {
  public:
-  __device__ explicit ForwardTaskCursor(const ForwardTaskShape& shape) : shape_(shape) { enter(0); }
+  POUNCE_HOST_DEVICE explicit ForwardTaskCursor(const ForwardTaskShape& shape) : shape_(shape) { enter(0); }
 
   // The task holding `ticket` (>= every ticket asked before); false past the end of the list.
-  __device__ bool at(int32_t ticket, Task& task) {
+  POUNCE_HOST_DEVICE bool at(int32_t ticket, Task& task) {
     while (ticket >= segment_begin_ + segment_size_) {
       if (segment_ > 2 * shape_.num_units()) return false;
       segment_begin_ += segment_size_;
@@ -86,7 +90,7 @@ class ForwardTaskCursor {
 
  private:
   // Segment q of the list: 0 -> GU(0); odd q -> GU((q + 1) / 2); even q > 0 -> DN(q / 2 - 1).
-  __device__ void enter(int32_t q) {
+  POUNCE_HOST_DEVICE void enter(int32_t q) {
     segment_ = q;
     const int32_t U = shape_.num_units();
     if (q == 0) {
