@@ -92,8 +92,9 @@ __device__ __forceinline__ FusedCounters counters_of(const FusedForwardParams& p
 __device__ __forceinline__ sched::ForwardTaskShape task_shape_of(const FusedForwardParams& p) {
   sched::ForwardTaskShape shape;
   const int32_t max_m_blocks = static_cast<int32_t>(p.ws.rows_capacity / GemmConfig::BLOCK_M);
+  const int32_t token_blocks = static_cast<int32_t>(p.ws.token_capacity / GemmConfig::BLOCK_M);
   shape.shared_m_blocks =
-      p.ws.shared_intermediate > 0 ? p.ws.shared_row_offset[1] / GemmConfig::BLOCK_M : 0;
+      p.ws.shared_intermediate > 0 ? min(p.ws.shared_row_offset[1] / GemmConfig::BLOCK_M, token_blocks) : 0;
   // Beyond the capacity only with an overflowing schedule (already reported); never touch those rows.
   shape.routed_m_blocks = min(p.ws.group_row_offset[p.ws.num_local_experts] / GemmConfig::BLOCK_M, max_m_blocks);
   shape.unit_blocks = p.unit_blocks;
@@ -118,8 +119,18 @@ __device__ __forceinline__ bool wait_count(const FusedForwardParams& p, const ui
                                            uint32_t expected, layout::WaitId which, int64_t index) {
   const uint32_t observed = flags::wait_count_gpu(count, expected, counters_of(p).abort(), p.ws.timeout_ns);
   if (observed >= expected) return true;
-  if (*counters_of(p).abort() == 0) fail(p, which, index, expected, observed);
+  if (flags::ld_relaxed_gpu(counters_of(p).abort()) == 0) fail(p, which, index, expected, observed);
   return false;
+}
+
+// Thread 0 reads the abort word, every thread of the CTA learns it (all leave together, none is left at a
+// later __syncthreads).
+__device__ __forceinline__ bool cta_aborted(const FusedForwardParams& p, TaskSlots& slots) {
+  if (threadIdx.x == 0) slots.go = flags::ld_relaxed_gpu(counters_of(p).abort()) != 0 ? 1 : 0;
+  __syncthreads();
+  const bool aborted = slots.go == 1;
+  __syncthreads();  // slots.go is written again by the next decision
+  return aborted;
 }
 
 // The expert owning routed m-block `m_block`: the first e with group_row_offset[e + 1] > its first row.
@@ -203,7 +214,7 @@ __device__ __forceinline__ void run_communication(const FusedForwardParams& p, T
     if (!p.push_combine) continue;
     // Push what is finished already; pulling the next minibatch comes first otherwise.
     while (next_push <= j && cta_rows_done(p, slots, shape, next_push, /*block=*/false)) push_unit(next_push++);
-    if (*counters.abort() != 0) return;
+    if (cta_aborted(p, slots)) return;
   }
   if (!p.push_combine) return;
   while (next_push < num_units) {
@@ -256,9 +267,11 @@ __device__ __forceinline__ void run_task_producer(kernels::gemm::SharedStorage& 
   sched::ForwardTaskCursor cursor(shape);
   kernels::gemm::RingPosition ring;
   for (uint32_t i = 0;; ++i) {
-    const int32_t ticket = static_cast<int32_t>(atomicAdd(counters.ticket(), 1u));
     Task task{TaskKind::kEnd, 0, 0, 0};
-    if (cursor.at(ticket, task)) {
+    // After a failure anywhere, no new tile (tiles without inputs to wait on would never notice).
+    const bool aborted = flags::ld_relaxed_gpu(counters.abort()) != 0;
+    const int32_t ticket = aborted ? 0 : static_cast<int32_t>(atomicAdd(counters.ticket(), 1u));
+    if (!aborted && cursor.at(ticket, task)) {
       bool ready = true;
       if (task.kind == TaskKind::kGateUp) {
         ready = wait_count(p, counters.rows_ready(task.unit), static_cast<uint32_t>(p.comm_ctas),
@@ -274,8 +287,9 @@ __device__ __forceinline__ void run_task_producer(kernels::gemm::SharedStorage& 
     }
     const uint32_t s = i % 2;
     if (!kernels::ptx::mbarrier_wait_parity_bounded(&slots.empty[s], ((i / 2) & 1) ^ 1, p.ws.timeout_ns)) {
+      // Consumers still hold the slot: writing it would flip a phase they have not seen. They time out.
       fail(p, layout::WaitId::kFusedTaskHandoff, s, 1, 0);
-      task.kind = TaskKind::kEnd;  // consumers time out on their own
+      return;
     }
     slots.task[s] = task;
     kernels::ptx::mbarrier_arrive(&slots.full[s]);

@@ -15,7 +15,9 @@
 //   DN of m-block m      <- gate_up_done[m]   (every gate/up tile of m stored, by both consumer warpgroups)
 //   push of routed unit  <- rows_done[unit]   (every down tile of the unit stored; push combine only)
 // Each waits only on tiles with smaller tickets or on the communication CTAs, which wait on nothing but
-// the compute tiles' counters of units they already pulled: no cycle, whatever the grid size.
+// the compute tiles' counters of units they already pulled: no cycle. Progress needs one compute CTA
+// resident beside the communication CTAs (the first to start); on a GPU so shared with other kernels that
+// only the communication CTAs fit, push mode ends in its bounded wait's error, not a hang.
 #pragma once
 
 #include <cstdint>

@@ -91,6 +91,9 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   const int El = p.num_local_experts;
   POUNCE_CHECK(H % 64 == 0 && I % 64 == 0 && Is % 64 == 0, "the fused kernel needs hidden, intermediate and "
                "shared_intermediate multiples of 64 (got ", H, ", ", I, ", ", Is, "); fix: pad the weights");
+  // Communication CTAs are the first to start; with every SM one of them no tile would ever run.
+  POUNCE_CHECK(workspace.num_sms >= 2, "the fused kernel needs at least 2 SMs (device ", workspace.device,
+               " has ", workspace.num_sms, "); use Config::kernel_path = KernelPath::kStaged");
   set_fused_shared_limit(workspace.device);
   StageTimer timer("forward", p.rank, stream);
   const ForwardLaunch launch = launch_forward_prologue(workspace, args, write_out, timer, stream);
@@ -127,9 +130,10 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   params.push_combine = fused_push_combine(workspace);
   params.comm_ctas = fused_comm_ctas(workspace, params.push_combine);
   const int64_t minibatch = workspace.config.minibatch_size;
-  const int32_t heuristic_blocks = params.push_combine ? kPushUnitBlocks : kDefaultUnitBlocks;
-  params.unit_blocks = minibatch > 0 ? static_cast<int32_t>(std::max<int64_t>(1, minibatch / layout::kBlockM))
-                                     : heuristic_blocks;
+  const int64_t heuristic_blocks = params.push_combine ? kPushUnitBlocks : kDefaultUnitBlocks;
+  const int64_t max_m_blocks = std::max<int64_t>(1, p.rows_capacity / layout::kBlockM);
+  params.unit_blocks = static_cast<int32_t>(
+      std::clamp<int64_t>(minibatch > 0 ? minibatch / layout::kBlockM : heuristic_blocks, 1, max_m_blocks));
 
   // Counters start at zero every call (a memset node in a captured graph).
   POUNCE_CUDA(cudaMemsetAsync(p.fused_counters, 0, workspace.layout.fused_counter_words * sizeof(uint32_t), stream));
