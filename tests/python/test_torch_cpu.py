@@ -264,3 +264,12 @@ def test_empty_batch_and_numpy_interop():
     assert out.shape == (0, H) and x.grad.shape == (0, H)
     assert torch.count_nonzero(module.w_gate.grad) == 0  # experts without tokens get zero gradients
     assert np.asarray(module.w_gate.detach().float()).shape == (E, I, H)
+
+
+def test_layer_config_copy_keeps_every_field():
+    """A layer copies its Config field by field: the kernel path and the rest survive the copy."""
+    from pounce.torch import _registry
+
+    config = pounce.Config(kernel_path=pounce.KernelPath.staged, minibatch_size=256, forward_comm_sms=7)
+    copied = _registry.copy_config(config)
+    assert repr(copied) == repr(config)

@@ -90,6 +90,23 @@ json run_baseline(BaselineRun run) {
   return records;
 }
 
+// The PNG chart beside the JSON (bench/plot_results.py: throughput against tokens per rank, Pounce and the
+// baseline). Best effort: a machine without matplotlib still gets its JSON, and a line saying how to chart it.
+void write_chart(const BenchOptions& options, const std::string& json_path) {
+  if (options.plot_script.empty()) return;
+  const std::string png_path = std::filesystem::path(json_path).replace_extension(".png").string();
+  const std::string command = shell_quote(options.python) + " " + shell_quote(options.plot_script) + " " +
+                              shell_quote(json_path) + " -o " + shell_quote(png_path);
+  const bool have_script = std::filesystem::exists(options.plot_script);
+  const int status = have_script ? std::system((command + " > /dev/null 2>&1").c_str()) : -1;
+  if (status == 0) {
+    std::cout << "wrote chart " << png_path << "\n";
+  } else {
+    std::cerr << "note: no chart written (" << (have_script ? "the plot script failed" : "plot script not found")
+              << "); to draw it: " << command << "\n";
+  }
+}
+
 // record[key] printed with `pattern`, or "-" when it is not a number.
 std::string number(const json& record, const char* key, const char* pattern) {
   const auto found = record.find(key);
@@ -256,6 +273,7 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
   if (!parent.empty()) std::filesystem::create_directories(parent);
   write_json(records, out_path);
   std::cout << "wrote " << records.size() << " records to " << out_path << "\n";
+  write_chart(options, out_path);
   return failures > 0 ? 2 : 0;
 }
 

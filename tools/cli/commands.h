@@ -30,6 +30,8 @@ struct BenchOptions {
   bool no_baseline = false;
   std::string torchrun = "torchrun";
   std::string baseline_script = "bench/baselines/torch_moe.py";
+  std::string plot_script = "bench/plot_results.py";  // "" = no chart
+  std::string python = "python3";
   std::string name;  // results file stem; "" = pounce-<UTC date>
   std::string out;   // "" = bench/results/<name>.json
 };

@@ -34,6 +34,7 @@ _CONFIG_FIELDS = (
     "precision",
     "deterministic",
     "backend",
+    "kernel_path",
 )
 
 
