@@ -227,33 +227,19 @@ __device__ __forceinline__ void run_communication(const FusedForwardParams& p, T
 // Combine epilogue of a down tile
 // ---------------------------------------------------------------------------------------------------
 // Row r of the tile is y of schedule[r] = (src_rank, src_token, slot): its bf16 values go straight to
-// peer(src_rank).y_slots[src_token][slot] (padding rows nowhere). Same packing as store_tile_bf16.
+// peer(src_rank).y_slots[src_token][slot] (padding rows nowhere), packed as every bf16 epilogue packs.
 __device__ __forceinline__ void store_tile_to_slots(const float (&acc)[128], const layout::WorkspacePointers& ws,
                                                     int32_t n, int32_t m_block, int32_t n_block, int consumer_idx) {
-  const int lane = threadIdx.x % 32;
   const int64_t row = kernels::gemm::tile_row(m_block, consumer_idx);
-  const int32_t col_block = n_block * GemmConfig::BLOCK_N;
-  __nv_bfloat16* dst[2];
+  __nv_bfloat16* row_base[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const layout::ScheduleEntry entry = ws.schedule[row + 8 * h];
-    dst[h] = entry.src_rank < 0 ? nullptr
-                                : ws.peer<__nv_bfloat16>(entry.src_rank, ws.sym_y_slots) +
-                                      (static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot) * ws.hidden;
+    row_base[h] = entry.src_rank < 0 ? nullptr
+                                     : ws.peer<__nv_bfloat16>(entry.src_rank, ws.sym_y_slots) +
+                                           (static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot) * ws.hidden;
   }
-#pragma unroll
-  for (int m = 0; m < 8; ++m) {
-    if (col_block + 32 * m >= n) break;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      uint32_t w[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        w[c] = kernels::ptx::pack_bf16x2(acc[4 * (4 * m + c) + 2 * h], acc[4 * (4 * m + c) + 2 * h + 1]);
-      kernels::gemm::quad_transpose(w, lane);  // every lane takes part; only the store is conditional
-      if (dst[h] != nullptr) kernels::gemm::store_16_bytes(dst[h] + col_block + 32 * m + 8 * (lane % 4), w);
-    }
-  }
+  kernels::gemm::store_rows_bf16(acc, row_base, n, n_block * GemmConfig::BLOCK_N, static_cast<int>(threadIdx.x % 32));
 }
 
 // ---------------------------------------------------------------------------------------------------

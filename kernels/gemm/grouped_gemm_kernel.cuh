@@ -318,11 +318,11 @@ __device__ __forceinline__ float bf16_hi(uint32_t packed) {
   return __uint_as_float(packed & 0xFFFF0000u);
 }
 
-// `row`: this lane's first row (the second is row + 8); `col_block`: first column of the tile; `row_limit`:
-// rows at or beyond it are not stored (weight gradients whose m is not a multiple of BLOCK_M).
-__device__ __forceinline__ void store_tile_bf16(const float (&acc)[128], __nv_bfloat16* out, int64_t ld,
-                                                int32_t n, int64_t row, int32_t col_block, int64_t row_limit,
-                                                int lane) {
+// Stores this lane's two rows of a tile as bf16: `row_base[h]` points at column 0 of its row h (the second
+// is 8 below the first), null = not stored; columns [col_block, col_block + BLOCK_N) below n. Every lane
+// takes part in the transposes, whatever it stores.
+__device__ __forceinline__ void store_rows_bf16(const float (&acc)[128], __nv_bfloat16* const (&row_base)[2],
+                                                int32_t n, int32_t col_block, int lane) {
 #pragma unroll
   for (int m = 0; m < 8; ++m) {
     if (col_block + 32 * m >= n) break;
@@ -333,10 +333,19 @@ __device__ __forceinline__ void store_tile_bf16(const float (&acc)[128], __nv_bf
       for (int c = 0; c < 4; ++c)
         w[c] = ptx::pack_bf16x2(acc[4 * (4 * m + c) + 2 * h], acc[4 * (4 * m + c) + 2 * h + 1]);
       quad_transpose(w, lane);
-      if (row + 8 * h < row_limit)
-        store_16_bytes(out + (row + 8 * h) * ld + col_block + 32 * m + 8 * (lane % 4), w);
+      if (row_base[h] != nullptr) store_16_bytes(row_base[h] + col_block + 32 * m + 8 * (lane % 4), w);
     }
   }
+}
+
+// `row`: this lane's first row (the second is row + 8); `col_block`: first column of the tile; `row_limit`:
+// rows at or beyond it are not stored (weight gradients whose m is not a multiple of BLOCK_M).
+__device__ __forceinline__ void store_tile_bf16(const float (&acc)[128], __nv_bfloat16* out, int64_t ld,
+                                                int32_t n, int64_t row, int32_t col_block, int64_t row_limit,
+                                                int lane) {
+  __nv_bfloat16* const row_base[2] = {row < row_limit ? out + row * ld : nullptr,
+                                      row + 8 < row_limit ? out + (row + 8) * ld : nullptr};
+  store_rows_bf16(acc, row_base, n, col_block, lane);
 }
 
 // Gate in accumulator chunks 0..15, up in 16..31, same columns.
