@@ -104,7 +104,9 @@ json to_json(const RunOptions& options, const RunSetup& setup, const RunOutcome&
       {"backend_reason", setup.backend.reason},
       {"device", outcome.device},
       {"config",
-       {{"comm_sms", setup.config.forward_comm_sms}, {"minibatch_size", setup.config.minibatch_size}}},
+       {{"comm_sms", setup.config.forward_comm_sms},
+        {"minibatch_size", setup.config.minibatch_size},
+        {"kernel_path", to_string(setup.config.kernel_path)}}},
       {"seed", options.seed},
       {"warmup", setup.warmup},
       {"iters", setup.iters},
@@ -155,7 +157,12 @@ int run_command(const RunOptions& options) {
                 static_cast<long long>(s.max_tokens), static_cast<long long>(s.num_ranks),
                 s.num_ranks > 1 ? "s" : "", setup.wgrad_fp32 ? "fp32" : "bf16",
                 static_cast<unsigned long long>(options.seed));
-  out << "backend: " << to_string(setup.backend.backend) << " (" << setup.backend.reason << ")\n";
+  out << "backend: " << to_string(setup.backend.backend) << " (" << setup.backend.reason << ")";
+  if (on_gpu) {
+    out << "; forward: " << to_string(setup.config.kernel_path)
+        << (setup.config.kernel_path == KernelPath::kFused ? " kernel" : " stage kernels") << ", backward: staged";
+  }
+  out << "\n";
   if (!on_gpu) {
     const bool no_gpu = !(machine.cuda_compiled && machine.num_gpus > 0);
     out << (no_gpu ? "note: no GPU here, so the CPU reference backend runs"
