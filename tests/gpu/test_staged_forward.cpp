@@ -325,26 +325,30 @@ TEST(StagedForward, FourAndEightRanks) {
 // rank, shared expert and both activations.
 TEST(FusedForward, EqualsStagedBitwise) {
   SKIP_UNLESS_GPUS(1);
-  const int R = visible_gpus() >= 2 ? 2 : 1;
   pounce::Activation clamped = pounce::Activation::gpt_oss();
   clamped.clamp_limit = 2.0f;
-  const Model shared = make_model(make_shape(700, 256, 192, 8, 4, 128, R), clamped, 31);
-  const Model routed = make_model(make_shape(1000, 256, 128, 16, 8, 0, R), pounce::Activation::swiglu(), 32);
-  auto tokens = [R](int64_t a, int64_t b) { return R == 2 ? std::vector<int64_t>{a, b} : std::vector<int64_t>{a}; };
-  for (const char* combine : {"push", "scatter"}) {
-    ASSERT_EQ(setenv("POUNCE_FUSED_COMBINE", combine, 1), 0);  // read at each launch
-    for (int64_t minibatch : {int64_t{128}, int64_t{0}}) {
-      const std::string label = std::string(" combine ") + combine + " minibatch " + std::to_string(minibatch);
-      run_and_check(shared,
-                    {{tokens(700, 513), Routing::kRandom, false, 33},
-                     {tokens(0, 700), Routing::kAllToOneExpert, true, 34},
-                     {tokens(129, 1), Routing::kSparse, false, 35}},
-                    Mode::kStagedVsFused, "fused vs staged, shared expert" + label, minibatch);
-      run_and_check(routed,
-                    {{tokens(1000, 999), Routing::kRandom, false, 36},
-                     {tokens(1000, 1000), Routing::kAllToOneExpert, false, 37},
-                     {tokens(300, 0), Routing::kFewExperts, true, 38}},
-                    Mode::kStagedVsFused, "fused vs staged" + label, minibatch);
+  for (int R = 1; R <= std::min(2, visible_gpus()); ++R) {
+    const Model shared = make_model(make_shape(700, 256, 192, 8, 4, 128, R), clamped, 31);
+    const Model routed = make_model(make_shape(1000, 256, 128, 16, 8, 0, R), pounce::Activation::swiglu(), 32);
+    auto tokens = [R](int64_t a, int64_t b) {
+      return R == 2 ? std::vector<int64_t>{a, b} : std::vector<int64_t>{a};
+    };
+    for (const char* combine : {"push", "scatter"}) {
+      ASSERT_EQ(setenv("POUNCE_FUSED_COMBINE", combine, 1), 0);  // read at each launch
+      for (int64_t minibatch : {int64_t{128}, int64_t{0}}) {
+        const std::string label = " ranks " + std::to_string(R) + " combine " + combine + " minibatch " +
+                                  std::to_string(minibatch);
+        run_and_check(shared,
+                      {{tokens(700, 513), Routing::kRandom, false, 33},
+                       {tokens(0, 700), Routing::kAllToOneExpert, true, 34},
+                       {tokens(129, 1), Routing::kSparse, false, 35}},
+                      Mode::kStagedVsFused, "fused vs staged, shared expert" + label, minibatch);
+        run_and_check(routed,
+                      {{tokens(1000, 999), Routing::kRandom, false, 36},
+                       {tokens(1000, 1000), Routing::kAllToOneExpert, false, 37},
+                       {tokens(300, 0), Routing::kFewExperts, true, 38}},
+                      Mode::kStagedVsFused, "fused vs staged" + label, minibatch);
+      }
     }
   }
   unsetenv("POUNCE_FUSED_COMBINE");
