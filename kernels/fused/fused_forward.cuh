@@ -123,14 +123,18 @@ __device__ __forceinline__ bool wait_count(const FusedForwardParams& p, const ui
   return false;
 }
 
-// Thread 0 reads the abort word, every thread of the CTA learns it (all leave together, none is left at a
-// later __syncthreads).
-__device__ __forceinline__ bool cta_aborted(const FusedForwardParams& p, TaskSlots& slots) {
-  if (threadIdx.x == 0) slots.go = flags::ld_relaxed_gpu(counters_of(p).abort()) != 0 ? 1 : 0;
+// Thread 0's `decision` (only thread 0's argument counts), known to every thread of the CTA afterwards: a
+// communication CTA branches as one, so no thread is left behind at a later __syncthreads.
+__device__ __forceinline__ bool cta_broadcast(TaskSlots& slots, bool decision) {
+  if (threadIdx.x == 0) slots.go = decision ? 1 : 0;
   __syncthreads();
-  const bool aborted = slots.go == 1;
+  const bool value = slots.go == 1;
   __syncthreads();  // slots.go is written again by the next decision
-  return aborted;
+  return value;
+}
+
+__device__ __forceinline__ bool cta_aborted(const FusedForwardParams& p, TaskSlots& slots) {
+  return cta_broadcast(slots, threadIdx.x == 0 && flags::ld_relaxed_gpu(counters_of(p).abort()) != 0);
 }
 
 // The expert owning routed m-block `m_block`: the first e with group_row_offset[e + 1] > its first row.
@@ -154,17 +158,14 @@ __device__ __forceinline__ int32_t expert_of_block(const layout::WorkspacePointe
 // every thread learns the answer.
 __device__ __forceinline__ bool cta_rows_done(const FusedForwardParams& p, TaskSlots& slots,
                                               const sched::ForwardTaskShape& shape, int32_t j, bool block) {
+  bool ready = false;
   if (threadIdx.x == 0) {
     const uint32_t expected = 2u * shape.routed_blocks(j) * shape.down_n;
     const uint32_t* done = counters_of(p).rows_done(j);
-    const bool ready = block ? wait_count(p, done, expected, layout::WaitId::kFusedRowsDone, j)
-                             : flags::ld_acquire_gpu(done) >= expected;
-    slots.go = ready ? 1 : 0;
+    ready = block ? wait_count(p, done, expected, layout::WaitId::kFusedRowsDone, j)
+                  : flags::ld_acquire_gpu(done) >= expected;
   }
-  __syncthreads();
-  const bool go = slots.go == 1;
-  __syncthreads();  // slots.go is written again by the next decision
-  return go;
+  return cta_broadcast(slots, ready);
 }
 
 __device__ __forceinline__ void run_communication(const FusedForwardParams& p, TaskSlots& slots, int32_t comm_idx) {
