@@ -47,9 +47,10 @@ struct ForwardContextView {
   const int32_t* expert_src_count = nullptr;  // [El][R], pairs per (local expert, source rank)
   const void* x_rows = nullptr;               // bf16 [rows_capacity][H]
   const void* act_rows = nullptr;             // bf16 [rows_capacity][I]
-  const void* y_rows = nullptr;               // bf16 [rows_capacity][H]; staged path only (the fused kernel stores y into the slots)
-  const void* y_slots = nullptr;              // bf16 [max_tokens][k][H], this rank's tokens
-  const void* shared_y = nullptr;             // bf16 [round_up(max_tokens, 128)][H]; null when Is = 0
+  const void* y_rows =
+      nullptr;  // bf16 [rows_capacity][H]; staged path only (the fused kernel stores y into the slots)
+  const void* y_slots = nullptr;   // bf16 [max_tokens][k][H], this rank's tokens
+  const void* shared_y = nullptr;  // bf16 [round_up(max_tokens, 128)][H]; null when Is = 0
   int64_t rows_capacity = 0;
 };
 ForwardContextView forward_context(const GpuWorkspace& workspace);

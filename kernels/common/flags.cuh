@@ -73,8 +73,8 @@ __device__ __forceinline__ uint32_t wait_epoch_sys(const uint32_t* flag, uint32_
 // Spins with ld.acquire.gpu until the counter *count reaches `expected` (a plain, non-wrapping count), the
 // abort word turns non-zero (another CTA failed: give up at once) or `timeout_ns` passes. Returns the last
 // value read.
-__device__ __forceinline__ uint32_t wait_count_gpu(const uint32_t* count, uint32_t expected, const uint32_t* abort,
-                                                   uint64_t timeout_ns) {
+__device__ __forceinline__ uint32_t wait_count_gpu(const uint32_t* count, uint32_t expected,
+                                                   const uint32_t* abort, uint64_t timeout_ns) {
   uint32_t observed = ld_acquire_gpu(count);
   if (observed >= expected) return observed;
   const uint64_t start = global_timer_ns();

@@ -40,17 +40,19 @@ using kernels::gemm::GroupedGemmArgs;
 using sched::Task;
 using sched::TaskKind;
 
-inline constexpr kernels::gemm::GemmKind kGateUpGemm = kernels::gemm::gemm_kind(kernels::gemm::KernelKind::kForwardGateUp);
-inline constexpr kernels::gemm::GemmKind kDownGemm = kernels::gemm::gemm_kind(kernels::gemm::KernelKind::kForwardStore);
+inline constexpr kernels::gemm::GemmKind kGateUpGemm =
+    kernels::gemm::gemm_kind(kernels::gemm::KernelKind::kForwardGateUp);
+inline constexpr kernels::gemm::GemmKind kDownGemm =
+    kernels::gemm::gemm_kind(kernels::gemm::KernelKind::kForwardStore);
 inline constexpr int kWarps = GemmConfig::kNumThreads / 32;
 
 // Operand maps of the four GEMMs (built on the host, src/gpu/fused_forward.cu).
 struct FusedForwardMaps {
-  CUtensorMap x_rows;      // A of routed gate/up  [rows_capacity, H]
-  CUtensorMap act_rows;    // A of routed down     [rows_capacity, I]
-  CUtensorMap sym_x;       // A of shared gate/up  [token_capacity, H]
-  CUtensorMap shared_act;  // A of shared down     [token_capacity, Is]
-  CUtensorMap gate, up, down;                      // routed weights [El, ., .]
+  CUtensorMap x_rows;                               // A of routed gate/up  [rows_capacity, H]
+  CUtensorMap act_rows;                             // A of routed down     [rows_capacity, I]
+  CUtensorMap sym_x;                                // A of shared gate/up  [token_capacity, H]
+  CUtensorMap shared_act;                           // A of shared down     [token_capacity, Is]
+  CUtensorMap gate, up, down;                       // routed weights [El, ., .]
   CUtensorMap shared_gate, shared_up, shared_down;  // shared weights [1, ., .]
 };
 
@@ -70,7 +72,9 @@ struct FusedCounters {
   __device__ uint32_t* role() const { return base + layout::kFusedRole; }
   __device__ uint32_t* abort() const { return base + layout::kFusedAbort; }
   __device__ uint32_t* rows_ready(int32_t j) const { return base + layout::kFusedHeaderWords + j; }
-  __device__ uint32_t* rows_done(int32_t j) const { return base + layout::kFusedHeaderWords + max_m_blocks + j; }
+  __device__ uint32_t* rows_done(int32_t j) const {
+    return base + layout::kFusedHeaderWords + max_m_blocks + j;
+  }
   __device__ uint32_t* gate_up_done(bool shared, int32_t m_block) const {
     return base + layout::kFusedHeaderWords + 2 * max_m_blocks + (shared ? 0 : token_blocks) + m_block;
   }
@@ -86,7 +90,8 @@ struct TaskSlots {
 };
 
 __device__ __forceinline__ FusedCounters counters_of(const FusedForwardParams& p) {
-  return {p.ws.fused_counters, p.ws.rows_capacity / GemmConfig::BLOCK_M, p.ws.token_capacity / GemmConfig::BLOCK_M};
+  return {p.ws.fused_counters, p.ws.rows_capacity / GemmConfig::BLOCK_M,
+          p.ws.token_capacity / GemmConfig::BLOCK_M};
 }
 
 __device__ __forceinline__ sched::ForwardTaskShape task_shape_of(const FusedForwardParams& p) {
@@ -96,7 +101,8 @@ __device__ __forceinline__ sched::ForwardTaskShape task_shape_of(const FusedForw
   shape.shared_m_blocks =
       p.ws.shared_intermediate > 0 ? min(p.ws.shared_row_offset[1] / GemmConfig::BLOCK_M, token_blocks) : 0;
   // Beyond the capacity only with an overflowing schedule (already reported); never touch those rows.
-  shape.routed_m_blocks = min(p.ws.group_row_offset[p.ws.num_local_experts] / GemmConfig::BLOCK_M, max_m_blocks);
+  shape.routed_m_blocks =
+      min(p.ws.group_row_offset[p.ws.num_local_experts] / GemmConfig::BLOCK_M, max_m_blocks);
   shape.unit_blocks = p.unit_blocks;
   constexpr int kGateUpN = kernels::gemm::kOutBlockN<kGateUpGemm.epilogue>;
   constexpr int kDownN = kernels::gemm::kOutBlockN<kDownGemm.epilogue>;
@@ -168,7 +174,8 @@ __device__ __forceinline__ bool cta_rows_done(const FusedForwardParams& p, TaskS
   return cta_broadcast(slots, ready);
 }
 
-__device__ __forceinline__ void run_communication(const FusedForwardParams& p, TaskSlots& slots, int32_t comm_idx) {
+__device__ __forceinline__ void run_communication(const FusedForwardParams& p, TaskSlots& slots,
+                                                  int32_t comm_idx) {
   const layout::WorkspacePointers& ws = p.ws;
   const FusedCounters counters = counters_of(p);
   const sched::ForwardTaskShape shape = task_shape_of(p);
@@ -214,7 +221,8 @@ __device__ __forceinline__ void run_communication(const FusedForwardParams& p, T
     }
     if (!p.push_combine) continue;
     // Push what is finished already; pulling the next minibatch comes first otherwise.
-    while (next_push <= j && cta_rows_done(p, slots, shape, next_push, /*block=*/false)) push_unit(next_push++);
+    while (next_push <= j && cta_rows_done(p, slots, shape, next_push, /*block=*/false))
+      push_unit(next_push++);
     if (cta_aborted(p, slots)) return;
   }
   if (!p.push_combine) return;
@@ -229,18 +237,21 @@ __device__ __forceinline__ void run_communication(const FusedForwardParams& p, T
 // ---------------------------------------------------------------------------------------------------
 // Row r of the tile is y of schedule[r] = (src_rank, src_token, slot): its bf16 values go straight to
 // peer(src_rank).y_slots[src_token][slot] (padding rows nowhere), packed as every bf16 epilogue packs.
-__device__ __forceinline__ void store_tile_to_slots(const float (&acc)[128], const layout::WorkspacePointers& ws,
-                                                    int32_t n, int32_t m_block, int32_t n_block, int consumer_idx) {
+__device__ __forceinline__ void store_tile_to_slots(const float (&acc)[128],
+                                                    const layout::WorkspacePointers& ws, int32_t n,
+                                                    int32_t m_block, int32_t n_block, int consumer_idx) {
   const int64_t row = kernels::gemm::tile_row(m_block, consumer_idx);
   __nv_bfloat16* row_base[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const layout::ScheduleEntry entry = ws.schedule[row + 8 * h];
-    row_base[h] = entry.src_rank < 0 ? nullptr
-                                     : ws.peer<__nv_bfloat16>(entry.src_rank, ws.sym_y_slots) +
-                                           (static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot) * ws.hidden;
+    row_base[h] = entry.src_rank < 0
+                      ? nullptr
+                      : ws.peer<__nv_bfloat16>(entry.src_rank, ws.sym_y_slots) +
+                            (static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot) * ws.hidden;
   }
-  kernels::gemm::store_rows_bf16(acc, row_base, n, n_block * GemmConfig::BLOCK_N, static_cast<int>(threadIdx.x % 32));
+  kernels::gemm::store_rows_bf16(acc, row_base, n, n_block * GemmConfig::BLOCK_N,
+                                 static_cast<int>(threadIdx.x % 32));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -290,19 +301,21 @@ __device__ __forceinline__ void run_task_producer(kernels::gemm::SharedStorage& 
                                                       p.shared_gate_up.k / GemmConfig::BLOCK_K);
         break;
       case TaskKind::kSharedDown:
-        ok = kernels::gemm::produce_tile<kDownGemm>(ss, ring, maps.shared_act, maps.shared_down, maps.shared_down,
-                                                    p.shared_down, {task.m_block, task.n_block, 0}, 0,
-                                                    p.shared_down.k / GemmConfig::BLOCK_K);
+        ok = kernels::gemm::produce_tile<kDownGemm>(
+            ss, ring, maps.shared_act, maps.shared_down, maps.shared_down, p.shared_down,
+            {task.m_block, task.n_block, 0}, 0, p.shared_down.k / GemmConfig::BLOCK_K);
         break;
       case TaskKind::kGateUp:
         ok = kernels::gemm::produce_tile<kGateUpGemm>(
             ss, ring, maps.x_rows, maps.gate, maps.up, p.gate_up,
-            {task.m_block, task.n_block, expert_of_block(p.ws, task.m_block)}, 0, p.gate_up.k / GemmConfig::BLOCK_K);
+            {task.m_block, task.n_block, expert_of_block(p.ws, task.m_block)}, 0,
+            p.gate_up.k / GemmConfig::BLOCK_K);
         break;
       case TaskKind::kDown:
         ok = kernels::gemm::produce_tile<kDownGemm>(
             ss, ring, maps.act_rows, maps.down, maps.down, p.down,
-            {task.m_block, task.n_block, expert_of_block(p.ws, task.m_block)}, 0, p.down.k / GemmConfig::BLOCK_K);
+            {task.m_block, task.n_block, expert_of_block(p.ws, task.m_block)}, 0,
+            p.down.k / GemmConfig::BLOCK_K);
         break;
       case TaskKind::kEnd:
         break;
@@ -337,8 +350,8 @@ __device__ __forceinline__ void run_task_consumer(kernels::gemm::SharedStorage& 
     uint32_t* done = nullptr;
     switch (task.kind) {
       case TaskKind::kSharedGateUp:
-        ok = kernels::gemm::consume_tile<kGateUpGemm>(ss, ring, p.shared_gate_up, tile, 0,
-                                                      p.shared_gate_up.k / GemmConfig::BLOCK_K, consumer_idx, acc);
+        ok = kernels::gemm::consume_tile<kGateUpGemm>(
+            ss, ring, p.shared_gate_up, tile, 0, p.shared_gate_up.k / GemmConfig::BLOCK_K, consumer_idx, acc);
         done = counters.gate_up_done(true, task.m_block);
         break;
       case TaskKind::kSharedDown:

@@ -480,9 +480,9 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t tile_base, int kk) {
 // Multiplies this warpgroup's 64 rows of one tile over K blocks [kb_begin, kb_end) into `acc`. False when a
 // stage never filled (recorded in args.error_flag).
 template <GemmKind kKind>
-__device__ __forceinline__ bool multiply_tile(SharedStorage& ss, RingPosition& ring, const GroupedGemmArgs& args,
-                                              int32_t kb_begin, int32_t kb_end, int consumer_idx,
-                                              float (&acc)[128]) {
+__device__ __forceinline__ bool multiply_tile(SharedStorage& ss, RingPosition& ring,
+                                              const GroupedGemmArgs& args, int32_t kb_begin, int32_t kb_end,
+                                              int consumer_idx, float (&acc)[128]) {
   using C = GemmConfig;
   const int lane = threadIdx.x % 32;
   // This warpgroup's 64 rows of A: rows 64c.. of a K-major tile, or box c of an M-major one; both 8 KB in.
@@ -525,13 +525,14 @@ __device__ __forceinline__ bool multiply_tile(SharedStorage& ss, RingPosition& r
 __device__ __forceinline__ int64_t tile_row(int32_t m_block, int consumer_idx) {
   const int warp_in_group = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
-  return static_cast<int64_t>(m_block) * GemmConfig::BLOCK_M + consumer_idx * 64 + warp_in_group * 16 + lane / 4;
+  return static_cast<int64_t>(m_block) * GemmConfig::BLOCK_M + consumer_idx * 64 + warp_in_group * 16 +
+         lane / 4;
 }
 
 // Stores this warpgroup's rows of a multiplied tile through the kind's epilogue.
 template <GemmKind kKind>
-__device__ __forceinline__ void store_tile(const float (&acc)[128], const GroupedGemmArgs& args, const Tile& tile,
-                                           bool has_k_blocks, int consumer_idx) {
+__device__ __forceinline__ void store_tile(const float (&acc)[128], const GroupedGemmArgs& args,
+                                           const Tile& tile, bool has_k_blocks, int consumer_idx) {
   constexpr Epilogue kEpilogue = kKind.epilogue;
   const int lane = threadIdx.x % 32;
   const int64_t row = tile_row(tile.m_block, consumer_idx);
@@ -551,9 +552,9 @@ __device__ __forceinline__ void store_tile(const float (&acc)[128], const Groupe
 
 // Multiply, then store. False when a stage never filled.
 template <GemmKind kKind>
-__device__ __forceinline__ bool consume_tile(SharedStorage& ss, RingPosition& ring, const GroupedGemmArgs& args,
-                                             const Tile& tile, int32_t kb_begin, int32_t kb_end,
-                                             int consumer_idx, float (&acc)[128]) {
+__device__ __forceinline__ bool consume_tile(SharedStorage& ss, RingPosition& ring,
+                                             const GroupedGemmArgs& args, const Tile& tile, int32_t kb_begin,
+                                             int32_t kb_end, int consumer_idx, float (&acc)[128]) {
   if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc)) return false;
   store_tile<kKind>(acc, args, tile, kb_end > kb_begin, consumer_idx);
   return true;

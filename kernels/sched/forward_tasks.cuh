@@ -32,19 +32,23 @@ struct Task {
   TaskKind kind;
   int32_t m_block;  // in the shared expert's rows (sym_x) or in the routed rows (x_rows)
   int32_t n_block;
-  int32_t unit;     // routed unit (minibatch) index for kGateUp / kDown, shared unit otherwise
+  int32_t unit;  // routed unit (minibatch) index for kGateUp / kDown, shared unit otherwise
 };
 
 // Extents of one call's list; m-block counts are read on the device after the schedule.
 struct ForwardTaskShape {
-  int32_t shared_m_blocks;  // round_up(T, 128) / 128 with a shared expert, else 0
-  int32_t routed_m_blocks;  // group_row_offset[El] / 128
-  int32_t unit_blocks;      // m-blocks per minibatch
+  int32_t shared_m_blocks;                  // round_up(T, 128) / 128 with a shared expert, else 0
+  int32_t routed_m_blocks;                  // group_row_offset[El] / 128
+  int32_t unit_blocks;                      // m-blocks per minibatch
   int32_t shared_gate_up_n, shared_down_n;  // n-blocks per m-block of each GEMM
   int32_t gate_up_n, down_n;
 
-  POUNCE_HOST_DEVICE int32_t shared_units() const { return (shared_m_blocks + unit_blocks - 1) / unit_blocks; }
-  POUNCE_HOST_DEVICE int32_t routed_units() const { return (routed_m_blocks + unit_blocks - 1) / unit_blocks; }
+  POUNCE_HOST_DEVICE int32_t shared_units() const {
+    return (shared_m_blocks + unit_blocks - 1) / unit_blocks;
+  }
+  POUNCE_HOST_DEVICE int32_t routed_units() const {
+    return (routed_m_blocks + unit_blocks - 1) / unit_blocks;
+  }
   POUNCE_HOST_DEVICE int32_t num_units() const { return shared_units() + routed_units(); }
   POUNCE_HOST_DEVICE bool is_shared(int32_t u) const { return u < shared_units(); }
   // Routed unit index of unit u (valid when !is_shared(u)).
@@ -63,7 +67,9 @@ struct ForwardTaskShape {
   POUNCE_HOST_DEVICE int32_t gate_up_tiles(int32_t u) const {
     return blocks(u) * (is_shared(u) ? shared_gate_up_n : gate_up_n);
   }
-  POUNCE_HOST_DEVICE int32_t down_tiles(int32_t u) const { return blocks(u) * (is_shared(u) ? shared_down_n : down_n); }
+  POUNCE_HOST_DEVICE int32_t down_tiles(int32_t u) const {
+    return blocks(u) * (is_shared(u) ? shared_down_n : down_n);
+  }
 };
 
 // Walks the list forward. One cursor per CTA: a CTA's tickets only grow, so the cursor never rewinds.

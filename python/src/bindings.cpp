@@ -191,7 +191,9 @@ void bind_types(nb::module_& m) {
       .value("auto", Backend::kAuto)
       .value("cpu", Backend::kCpu)
       .value("gpu", Backend::kGpu);
-  nb::enum_<KernelPath>(m, "KernelPath").value("fused", KernelPath::kFused).value("staged", KernelPath::kStaged);
+  nb::enum_<KernelPath>(m, "KernelPath")
+      .value("fused", KernelPath::kFused)
+      .value("staged", KernelPath::kStaged);
 
   nb::class_<Activation>(m, "Activation", "Expert activation: SwiGLU or GPT-OSS, optional clamp (DESIGN §1).")
       .def(

@@ -437,10 +437,11 @@ void check_device_errors(GpuWorkspace& workspace) {
     case layout::DeviceErrorCode::kWaitTimeout: {
       const char* which = wait_name(static_cast<layout::WaitId>(copy.wait_id));
       if (copy.wait_id >= static_cast<int32_t>(layout::WaitId::kFusedRowsReady)) {
-        out << "GPU wait timed out inside the fused kernel on rank " << copy.rank << ": " << which << " (index "
-            << copy.peer << ", expected " << copy.expected << ", observed " << copy.observed
+        out << "GPU wait timed out inside the fused kernel on rank " << copy.rank << ": " << which
+            << " (index " << copy.peer << ", expected " << copy.expected << ", observed " << copy.observed
             << ") longer than POUNCE_PEER_TIMEOUT_S; a CTA of the kernel failed or never started (another "
-               "kernel holding SMs?). Config.kernel_path = KernelPath::kStaged runs the stage kernels instead";
+               "kernel holding SMs?). Config.kernel_path = KernelPath::kStaged runs the stage kernels "
+               "instead";
         break;
       }
       out << "GPU wait timed out: rank " << copy.rank << " waited at the " << which << " barrier for rank "

@@ -77,20 +77,23 @@ bool fused_push_combine(const GpuWorkspace& workspace) {
 }
 
 int fused_comm_ctas(const GpuWorkspace& workspace, bool push_combine) {
-  const int heuristic = push_combine                      ? kPushCommCtas
+  const int heuristic = push_combine                     ? kPushCommCtas
                         : workspace.layout.num_ranks > 1 ? kScatterCommCtas
-                                                          : kOneRankCommCtas;
+                                                         : kOneRankCommCtas;
   const int configured = workspace.config.forward_comm_sms;
   return std::clamp(configured > 0 ? configured : heuristic, 1, std::max(1, workspace.num_sms / 2));
 }
 
-void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream, bool write_out) {
+void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
+                          bool write_out) {
   DeviceGuard guard(workspace.device);
   const layout::WorkspacePointers p = workspace.pointers();
   const int64_t H = p.hidden, I = p.intermediate, Is = p.shared_intermediate;
   const int El = p.num_local_experts;
-  POUNCE_CHECK(H % 64 == 0 && I % 64 == 0 && Is % 64 == 0, "the fused kernel needs hidden, intermediate and "
-               "shared_intermediate multiples of 64 (got ", H, ", ", I, ", ", Is, "); fix: pad the weights");
+  POUNCE_CHECK(H % 64 == 0 && I % 64 == 0 && Is % 64 == 0,
+               "the fused kernel needs hidden, intermediate and "
+               "shared_intermediate multiples of 64 (got ",
+               H, ", ", I, ", ", Is, "); fix: pad the weights");
   // Communication CTAs are the first to start; with every SM one of them no tile would ever run.
   POUNCE_CHECK(workspace.num_sms >= 2, "the fused kernel needs at least 2 SMs (device ", workspace.device,
                " has ", workspace.num_sms, "); use Config::kernel_path = KernelPath::kStaged");
@@ -123,10 +126,10 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   int32_t* gemm_error = reinterpret_cast<int32_t*>(p.fused_counters + layout::kFusedGemmError);
   params.gate_up = gemm_args(I, H, p.g_rows, p.u_rows, p.act_rows, launch.activation, gemm_error);
   params.down = gemm_args(H, I, p.y_rows, nullptr, nullptr, launch.activation, gemm_error);
-  params.shared_gate_up =
-      gemm_args(std::max<int64_t>(Is, 64), H, p.shared_g, p.shared_u, p.shared_act, launch.activation, gemm_error);
-  params.shared_down = gemm_args(H, std::max<int64_t>(Is, 64), p.shared_y, nullptr, nullptr, launch.activation,
-                                 gemm_error);
+  params.shared_gate_up = gemm_args(std::max<int64_t>(Is, 64), H, p.shared_g, p.shared_u, p.shared_act,
+                                    launch.activation, gemm_error);
+  params.shared_down =
+      gemm_args(H, std::max<int64_t>(Is, 64), p.shared_y, nullptr, nullptr, launch.activation, gemm_error);
   params.push_combine = fused_push_combine(workspace);
   params.comm_ctas = fused_comm_ctas(workspace, params.push_combine);
   const int64_t minibatch = workspace.config.minibatch_size;
@@ -136,9 +139,10 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
       std::clamp<int64_t>(minibatch > 0 ? minibatch / layout::kBlockM : heuristic_blocks, 1, max_m_blocks));
 
   // Counters start at zero every call (a memset node in a captured graph).
-  POUNCE_CUDA(cudaMemsetAsync(p.fused_counters, 0, workspace.layout.fused_counter_words * sizeof(uint32_t), stream));
-  fused::fused_forward_kernel<<<workspace.num_sms, GemmConfig::kNumThreads, kFusedSharedBytes, stream>>>(maps,
-                                                                                                          params);
+  POUNCE_CUDA(
+      cudaMemsetAsync(p.fused_counters, 0, workspace.layout.fused_counter_words * sizeof(uint32_t), stream));
+  fused::fused_forward_kernel<<<workspace.num_sms, GemmConfig::kNumThreads, kFusedSharedBytes, stream>>>(
+      maps, params);
   POUNCE_CUDA(cudaGetLastError());
   timer.mark("fused");
   launch_forward_epilogue(workspace, args, launch, write_out, timer, stream);

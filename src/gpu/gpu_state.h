@@ -116,7 +116,8 @@ void launch_forward_epilogue(GpuWorkspace& workspace, const ForwardArgs& args, c
 void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
                            bool write_out);
 // The same through the fused forward kernel (src/gpu/fused_forward.cu); bitwise the same results.
-void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream, bool write_out);
+void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
+                          bool write_out);
 
 // Launches the staged backward on `stream` (src/gpu/staged_backward.cu). Consumes the forward context the
 // last forward (or recompute_forward_context) of this workspace left; does not modify it.

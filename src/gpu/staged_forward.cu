@@ -113,8 +113,8 @@ void launch_forward_epilogue(GpuWorkspace& workspace, const ForwardArgs& args, c
   timer.mark("barrier");
   if (write_out && launch.num_tokens > 0) {
     combine::weighted_sum_kernel<kCopyThreads><<<workspace.num_sms * 4, kCopyThreads, 0, stream>>>(
-        p, p.sym_y_slots, args.topk_weights.as<const float>(), p.shared_intermediate > 0 ? p.shared_y : nullptr,
-        args.out.data, launch.num_tokens);
+        p, p.sym_y_slots, args.topk_weights.as<const float>(),
+        p.shared_intermediate > 0 ? p.shared_y : nullptr, args.out.data, launch.num_tokens);
   }
   timer.mark("sum");
   POUNCE_CUDA(cudaGetLastError());

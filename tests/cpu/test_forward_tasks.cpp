@@ -102,8 +102,8 @@ TEST(ForwardTasks, RandomShapes) {
   std::mt19937 gen(7);
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); };
   for (int i = 0; i < 200; ++i) {
-    const ForwardTaskShape shape{pick(0, 20), pick(0, 60), pick(1, 12), pick(1, 5), pick(1, 5), pick(1, 5),
-                                 pick(1, 5)};
+    const ForwardTaskShape shape{pick(0, 20), pick(0, 60), pick(1, 12), pick(1, 5),
+                                 pick(1, 5),  pick(1, 5),  pick(1, 5)};
     SCOPED_TRACE(::testing::Message() << "shape " << i << ": shared " << shape.shared_m_blocks << ", routed "
                                       << shape.routed_m_blocks << ", unit " << shape.unit_blocks);
     check_shape(shape);

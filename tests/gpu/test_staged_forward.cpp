@@ -114,7 +114,8 @@ void run_rank(const Model& m, const std::vector<std::vector<RankData>>& data, co
           CUDA_OK(cudaGraphLaunch(graph_exec, stream));
         } else {
           if (mode == Mode::kStagedVsFused) {
-            pounce::gpu::set_kernel_path(gpu_ws, run == 0 ? pounce::KernelPath::kStaged : pounce::KernelPath::kFused);
+            pounce::gpu::set_kernel_path(gpu_ws,
+                                         run == 0 ? pounce::KernelPath::kStaged : pounce::KernelPath::kFused);
           }
           pounce::forward(workspace, args, stream);
         }
@@ -329,15 +330,16 @@ TEST(FusedForward, EqualsStagedBitwise) {
   clamped.clamp_limit = 2.0f;
   for (int R = 1; R <= std::min(2, visible_gpus()); ++R) {
     const Model shared = make_model(make_shape(700, 256, 192, 8, 4, 128, R), clamped, 31);
-    const Model routed = make_model(make_shape(1000, 256, 128, 16, 8, 0, R), pounce::Activation::swiglu(), 32);
+    const Model routed =
+        make_model(make_shape(1000, 256, 128, 16, 8, 0, R), pounce::Activation::swiglu(), 32);
     auto tokens = [R](int64_t a, int64_t b) {
       return R == 2 ? std::vector<int64_t>{a, b} : std::vector<int64_t>{a};
     };
     for (const char* combine : {"push", "scatter"}) {
       ASSERT_EQ(setenv("POUNCE_FUSED_COMBINE", combine, 1), 0);  // read at each launch
       for (int64_t minibatch : {int64_t{128}, int64_t{0}}) {
-        const std::string label = " ranks " + std::to_string(R) + " combine " + combine + " minibatch " +
-                                  std::to_string(minibatch);
+        const std::string label =
+            " ranks " + std::to_string(R) + " combine " + combine + " minibatch " + std::to_string(minibatch);
         run_and_check(shared,
                       {{tokens(700, 513), Routing::kRandom, false, 33},
                        {tokens(0, 700), Routing::kAllToOneExpert, true, 34},

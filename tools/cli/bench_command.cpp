@@ -91,7 +91,8 @@ json run_baseline(BaselineRun run) {
 }
 
 // The PNG chart beside the JSON (bench/plot_results.py: throughput against tokens per rank, Pounce and the
-// baseline). Best effort: a machine without matplotlib still gets its JSON, and a line saying how to chart it.
+// baseline). Best effort: a machine without matplotlib still gets its JSON, and a line saying how to chart
+// it.
 void write_chart(const BenchOptions& options, const std::string& json_path) {
   if (options.plot_script.empty()) return;
   const std::string png_path = std::filesystem::path(json_path).replace_extension(".png").string();
@@ -102,7 +103,8 @@ void write_chart(const BenchOptions& options, const std::string& json_path) {
   if (status == 0) {
     std::cout << "wrote chart " << png_path << "\n";
   } else {
-    std::cerr << "note: no chart written (" << (have_script ? "the plot script failed" : "plot script not found")
+    std::cerr << "note: no chart written ("
+              << (have_script ? "the plot script failed" : "plot script not found")
               << "); to draw it: " << command << "\n";
   }
 }

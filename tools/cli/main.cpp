@@ -118,8 +118,9 @@ int main(int argc, char** argv) {
   bench_app->add_option("--iters", bench.iters, "timed runs per configuration")->capture_default_str();
   bench_app->add_option("--seed", bench.seed, "seed of every input")->capture_default_str();
   bench_app->add_flag("--no-baseline", bench.no_baseline, "skip the PyTorch baseline");
-  bench_app->add_option("--plot-script", bench.plot_script,
-                        "charts the results as a PNG beside the JSON ('' = no chart; needs matplotlib)")
+  bench_app
+      ->add_option("--plot-script", bench.plot_script,
+                   "charts the results as a PNG beside the JSON ('' = no chart; needs matplotlib)")
       ->capture_default_str();
   bench_app->add_option("--python", bench.python, "Python that runs the plot script")->capture_default_str();
   bench_app->add_option("--torchrun", bench.torchrun, "torchrun executable")->capture_default_str();

@@ -160,7 +160,8 @@ int run_command(const RunOptions& options) {
   out << "backend: " << to_string(setup.backend.backend) << " (" << setup.backend.reason << ")";
   if (on_gpu) {
     out << "; forward: " << to_string(setup.config.kernel_path)
-        << (setup.config.kernel_path == KernelPath::kFused ? " kernel" : " stage kernels") << ", backward: staged";
+        << (setup.config.kernel_path == KernelPath::kFused ? " kernel" : " stage kernels")
+        << ", backward: staged";
   }
   out << "\n";
   if (!on_gpu) {
