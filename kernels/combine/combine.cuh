@@ -19,22 +19,35 @@
 
 namespace pounce::combine {
 
-// `rows` [rows_capacity][H] expert-grouped; `sym_slots` the offset of a [max_tokens][k][H] slot region
-// (forward: y_rows into sym_y_slots; backward's reverse-dispatch: dx_rows into sym_dx_slots). Rows of
-// local experts [expert_begin, expert_end) only (a pipeline chunk).
+// The start of (token, slot)'s row in the slot region `sym_slots` ([max_tokens][k][H] bf16) of the rank that
+// owns the token: where the output of schedule row `entry` goes.
+template <typename T>
+__device__ __forceinline__ T* slot_row(const layout::WorkspacePointers& ws, int64_t sym_slots,
+                                       const layout::ScheduleEntry& entry) {
+  const int64_t slot = static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot;
+  return reinterpret_cast<T*>(ws.peer<char>(entry.src_rank, sym_slots) +
+                              slot * ws.hidden * layout::kBf16Bytes);
+}
+
+// One schedule row of `rows` ([rows_capacity][H] expert-grouped), by one warp, into its owner's slot
+// (forward: y_rows into sym_y_slots; backward's reverse-dispatch: dx_rows into sym_dx_slots). Padding rows go
+// nowhere.
+template <int kDepth = 4>
+__device__ __forceinline__ void push_row(const layout::WorkspacePointers& ws, const void* rows,
+                                         int64_t sym_slots, int64_t row) {
+  const layout::ScheduleEntry entry = ws.schedule[row];
+  if (entry.src_rank < 0) return;
+  const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
+  dispatch::warp_copy_16b<kDepth>(slot_row<int4>(ws, sym_slots, entry),
+                                  static_cast<const int4*>(rows) + row * row_vectors, row_vectors);
+}
+
+// Rows of local experts [expert_begin, expert_end) only (a pipeline chunk).
 __device__ __forceinline__ void push_rows(const layout::WorkspacePointers& ws, const void* rows,
                                           int64_t sym_slots, int expert_begin, int expert_end) {
   const int64_t first_row = ws.group_row_offset[expert_begin], end_row = ws.group_row_offset[expert_end];
-  const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
-  const int4* y_rows = static_cast<const int4*>(rows);
-  for (int64_t row = first_row + dispatch::global_warp(); row < end_row;
-       row += dispatch::num_global_warps()) {
-    const layout::ScheduleEntry entry = ws.schedule[row];
-    if (entry.src_rank < 0) continue;
-    int4* dst = ws.peer<int4>(entry.src_rank, sym_slots) +
-                (static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot) * row_vectors;
-    dispatch::warp_copy_16b(dst, y_rows + row * row_vectors, row_vectors);
-  }
+  for (int64_t row = first_row + dispatch::global_warp(); row < end_row; row += dispatch::num_global_warps())
+    push_row(ws, rows, sym_slots, row);
 }
 
 // One thread per (token, 8 consecutive hidden columns). `base` [T][H] starts the accumulator (the shared

@@ -63,20 +63,24 @@ __device__ __forceinline__ void stage_x(const layout::WorkspacePointers& ws, con
   }
 }
 
+// One receive-schedule row, by one warp: x_rows[row] = peer(src_rank).sym_x[src_token], zeros for padding.
+template <int kDepth = 4>
+__device__ __forceinline__ void pull_row(const layout::WorkspacePointers& ws, int64_t row) {
+  const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
+  int4* dst = static_cast<int4*>(ws.x_rows) + row * row_vectors;
+  const layout::ScheduleEntry entry = ws.schedule[row];
+  if (entry.src_rank < 0) {
+    warp_zero_16b(dst, row_vectors);
+  } else {
+    warp_copy_16b<kDepth>(dst, ws.peer<const int4>(entry.src_rank, ws.sym_x) + entry.src_token * row_vectors,
+                          row_vectors);
+  }
+}
+
 __device__ __forceinline__ void pull_rows(const layout::WorkspacePointers& ws, int expert_begin,
                                           int expert_end) {
   const int64_t first_row = ws.group_row_offset[expert_begin], end_row = ws.group_row_offset[expert_end];
-  const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
-  int4* x_rows = static_cast<int4*>(ws.x_rows);
-  for (int64_t row = first_row + global_warp(); row < end_row; row += num_global_warps()) {
-    const layout::ScheduleEntry entry = ws.schedule[row];
-    if (entry.src_rank < 0) {
-      warp_zero_16b(x_rows + row * row_vectors, row_vectors);
-    } else {
-      const int4* src = ws.peer<const int4>(entry.src_rank, ws.sym_x) + entry.src_token * row_vectors;
-      warp_copy_16b(x_rows + row * row_vectors, src, row_vectors);
-    }
-  }
+  for (int64_t row = first_row + global_warp(); row < end_row; row += num_global_warps()) pull_row(ws, row);
 }
 
 template <int kNumThreads>

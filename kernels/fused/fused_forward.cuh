@@ -143,6 +143,11 @@ __device__ __forceinline__ bool cta_aborted(const FusedForwardParams& p, TaskSlo
   return cta_broadcast(slots, threadIdx.x == 0 && flags::ld_relaxed_gpu(counters_of(p).abort()) != 0);
 }
 
+// K blocks of every tile of a row-grouped GEMM (the whole reduction).
+__device__ __forceinline__ int32_t k_blocks(const GroupedGemmArgs& args) {
+  return args.k / GemmConfig::BLOCK_K;
+}
+
 // The expert owning routed m-block `m_block`: the first e with group_row_offset[e + 1] > its first row.
 __device__ __forceinline__ int32_t expert_of_block(const layout::WorkspacePointers& ws, int32_t m_block) {
   const int32_t row = m_block * GemmConfig::BLOCK_M;
@@ -182,38 +187,19 @@ __device__ __forceinline__ void run_communication(const FusedForwardParams& p, T
   const int32_t num_units = shape.routed_units();
   const int64_t warp = static_cast<int64_t>(comm_idx) * kWarps + threadIdx.x / 32;
   const int64_t num_warps = static_cast<int64_t>(p.comm_ctas) * kWarps;
-  const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
-  int4* x_rows = static_cast<int4*>(ws.x_rows);
-  const int4* y_rows = static_cast<const int4*>(ws.y_rows);
-  auto unit_rows = [&](int32_t j, int64_t& first, int64_t& end) {
-    first = static_cast<int64_t>(j) * shape.unit_blocks * GemmConfig::BLOCK_M;
-    end = first + static_cast<int64_t>(shape.routed_blocks(j)) * GemmConfig::BLOCK_M;
+  // This warp's rows of routed minibatch j (every communication warp a strided share).
+  auto for_my_rows = [&](int32_t j, auto&& body) {
+    const int64_t first = static_cast<int64_t>(j) * shape.unit_blocks * GemmConfig::BLOCK_M;
+    const int64_t end = first + static_cast<int64_t>(shape.routed_blocks(j)) * GemmConfig::BLOCK_M;
+    for (int64_t row = first + warp; row < end; row += num_warps) body(row);
   };
   auto push_unit = [&](int32_t j) {
-    int64_t first, end;
-    unit_rows(j, first, end);
-    for (int64_t row = first + warp; row < end; row += num_warps) {
-      const layout::ScheduleEntry entry = ws.schedule[row];
-      if (entry.src_rank < 0) continue;
-      int4* dst = ws.peer<int4>(entry.src_rank, ws.sym_y_slots) +
-                  (static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot) * row_vectors;
-      dispatch::warp_copy_16b<8>(dst, y_rows + row * row_vectors, row_vectors);
-    }
+    for_my_rows(j, [&](int64_t row) { combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row); });
   };
 
   int32_t next_push = 0;
   for (int32_t j = 0; j < num_units; ++j) {
-    int64_t first, end;
-    unit_rows(j, first, end);
-    for (int64_t row = first + warp; row < end; row += num_warps) {
-      const layout::ScheduleEntry entry = ws.schedule[row];
-      if (entry.src_rank < 0) {
-        dispatch::warp_zero_16b(x_rows + row * row_vectors, row_vectors);
-      } else {
-        const int4* src = ws.peer<const int4>(entry.src_rank, ws.sym_x) + entry.src_token * row_vectors;
-        dispatch::warp_copy_16b<8>(x_rows + row * row_vectors, src, row_vectors);
-      }
-    }
+    for_my_rows(j, [&](int64_t row) { dispatch::pull_row<8>(ws, row); });
     __syncthreads();  // this CTA's share of minibatch j has landed
     if (threadIdx.x == 0) {
       kernels::ptx::fence_proxy_async_global();
@@ -245,10 +231,7 @@ __device__ __forceinline__ void store_tile_to_slots(const float (&acc)[128],
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const layout::ScheduleEntry entry = ws.schedule[row + 8 * h];
-    row_base[h] = entry.src_rank < 0
-                      ? nullptr
-                      : ws.peer<__nv_bfloat16>(entry.src_rank, ws.sym_y_slots) +
-                            (static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot) * ws.hidden;
+    row_base[h] = entry.src_rank < 0 ? nullptr : combine::slot_row<__nv_bfloat16>(ws, ws.sym_y_slots, entry);
   }
   kernels::gemm::store_rows_bf16(acc, row_base, n, n_block * GemmConfig::BLOCK_N,
                                  static_cast<int>(threadIdx.x % 32));
@@ -293,29 +276,27 @@ __device__ __forceinline__ void run_task_producer(kernels::gemm::SharedStorage& 
     kernels::ptx::mbarrier_arrive(&slots.full[s]);
     if (task.kind == TaskKind::kEnd) return;
 
+    const bool routed = task.kind == TaskKind::kGateUp || task.kind == TaskKind::kDown;
+    const kernels::gemm::Tile tile{task.m_block, task.n_block,
+                                   routed ? expert_of_block(p.ws, task.m_block) : 0};
     bool ok = true;
     switch (task.kind) {
       case TaskKind::kSharedGateUp:
         ok = kernels::gemm::produce_tile<kGateUpGemm>(ss, ring, maps.sym_x, maps.shared_gate, maps.shared_up,
-                                                      p.shared_gate_up, {task.m_block, task.n_block, 0}, 0,
-                                                      p.shared_gate_up.k / GemmConfig::BLOCK_K);
+                                                      p.shared_gate_up, tile, 0, k_blocks(p.shared_gate_up));
         break;
       case TaskKind::kSharedDown:
-        ok = kernels::gemm::produce_tile<kDownGemm>(
-            ss, ring, maps.shared_act, maps.shared_down, maps.shared_down, p.shared_down,
-            {task.m_block, task.n_block, 0}, 0, p.shared_down.k / GemmConfig::BLOCK_K);
+        ok = kernels::gemm::produce_tile<kDownGemm>(ss, ring, maps.shared_act, maps.shared_down,
+                                                    maps.shared_down, p.shared_down, tile, 0,
+                                                    k_blocks(p.shared_down));
         break;
       case TaskKind::kGateUp:
-        ok = kernels::gemm::produce_tile<kGateUpGemm>(
-            ss, ring, maps.x_rows, maps.gate, maps.up, p.gate_up,
-            {task.m_block, task.n_block, expert_of_block(p.ws, task.m_block)}, 0,
-            p.gate_up.k / GemmConfig::BLOCK_K);
+        ok = kernels::gemm::produce_tile<kGateUpGemm>(ss, ring, maps.x_rows, maps.gate, maps.up, p.gate_up,
+                                                      tile, 0, k_blocks(p.gate_up));
         break;
       case TaskKind::kDown:
-        ok = kernels::gemm::produce_tile<kDownGemm>(
-            ss, ring, maps.act_rows, maps.down, maps.down, p.down,
-            {task.m_block, task.n_block, expert_of_block(p.ws, task.m_block)}, 0,
-            p.down.k / GemmConfig::BLOCK_K);
+        ok = kernels::gemm::produce_tile<kDownGemm>(ss, ring, maps.act_rows, maps.down, maps.down, p.down,
+                                                    tile, 0, k_blocks(p.down));
         break;
       case TaskKind::kEnd:
         break;
@@ -350,22 +331,22 @@ __device__ __forceinline__ void run_task_consumer(kernels::gemm::SharedStorage& 
     uint32_t* done = nullptr;
     switch (task.kind) {
       case TaskKind::kSharedGateUp:
-        ok = kernels::gemm::consume_tile<kGateUpGemm>(
-            ss, ring, p.shared_gate_up, tile, 0, p.shared_gate_up.k / GemmConfig::BLOCK_K, consumer_idx, acc);
+        ok = kernels::gemm::consume_tile<kGateUpGemm>(ss, ring, p.shared_gate_up, tile, 0,
+                                                      k_blocks(p.shared_gate_up), consumer_idx, acc);
         done = counters.gate_up_done(true, task.m_block);
         break;
       case TaskKind::kSharedDown:
-        ok = kernels::gemm::consume_tile<kDownGemm>(ss, ring, p.shared_down, tile, 0,
-                                                    p.shared_down.k / GemmConfig::BLOCK_K, consumer_idx, acc);
+        ok = kernels::gemm::consume_tile<kDownGemm>(ss, ring, p.shared_down, tile, 0, k_blocks(p.shared_down),
+                                                    consumer_idx, acc);
         break;
       case TaskKind::kGateUp:
-        ok = kernels::gemm::consume_tile<kGateUpGemm>(ss, ring, p.gate_up, tile, 0,
-                                                      p.gate_up.k / GemmConfig::BLOCK_K, consumer_idx, acc);
+        ok = kernels::gemm::consume_tile<kGateUpGemm>(ss, ring, p.gate_up, tile, 0, k_blocks(p.gate_up),
+                                                      consumer_idx, acc);
         done = counters.gate_up_done(false, task.m_block);
         break;
       case TaskKind::kDown:
-        ok = kernels::gemm::multiply_tile<kDownGemm>(ss, ring, p.down, 0, p.down.k / GemmConfig::BLOCK_K,
-                                                     consumer_idx, acc);
+        ok =
+            kernels::gemm::multiply_tile<kDownGemm>(ss, ring, p.down, 0, k_blocks(p.down), consumer_idx, acc);
         if (!ok) break;
         if (p.push_combine) {
           kernels::gemm::store_tile<kDownGemm>(acc, p.down, tile, true, consumer_idx);
