@@ -72,34 +72,45 @@ __device__ __forceinline__ void router_grad(const layout::WorkspacePointers& ws,
   }
 }
 
+// One schedule row, by one warp: dy_rows[row] = bf16(w * d_out_src[t]), zeros for a padding row. Each lane
+// keeps kDepth 16-byte loads in flight (NVLink latency), the last round predicated.
+template <int kDepth = 4>
+__device__ __forceinline__ void pull_scaled_row(const layout::WorkspacePointers& ws, int64_t row) {
+  const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
+  int4* dst = static_cast<int4*>(ws.dy_rows) + row * row_vectors;
+  const layout::ScheduleEntry entry = ws.schedule[row];
+  if (entry.src_rank < 0) {
+    dispatch::warp_zero_16b(dst, row_vectors);
+    return;
+  }
+  const float w = ws.peer<const float>(
+      entry.src_rank, ws.sym_topk_weights)[static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot];
+  const int4* src = ws.peer<const int4>(entry.src_rank, ws.sym_d_out) + entry.src_token * row_vectors;
+  for (int64_t base = threadIdx.x % 32; base < row_vectors; base += 32 * kDepth) {
+    int4 packed[kDepth];
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {
+      if (base + 32 * d < row_vectors) packed[d] = src[base + 32 * d];
+    }
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {
+      if (base + 32 * d >= row_vectors) break;
+      const __nv_bfloat16* in = reinterpret_cast<const __nv_bfloat16*>(&packed[d]);
+      int4 scaled;
+      __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(&scaled);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = __float2bfloat16_rn(__fmul_rn(w, __bfloat162float(in[i])));
+      dst[base + 32 * d] = scaled;
+    }
+  }
+}
+
+// Rows of local experts [expert_begin, expert_end) (a pipeline chunk).
 __device__ __forceinline__ void pull_scaled_rows(const layout::WorkspacePointers& ws, int expert_begin,
                                                  int expert_end) {
   const int64_t first_row = ws.group_row_offset[expert_begin], end_row = ws.group_row_offset[expert_end];
-  const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
-  int4* dy_rows = static_cast<int4*>(ws.dy_rows);
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  for (int64_t row = first_row + dispatch::global_warp(); row < end_row;
-       row += dispatch::num_global_warps()) {
-    const layout::ScheduleEntry entry = ws.schedule[row];
-    int4* dst = dy_rows + row * row_vectors;
-    if (entry.src_rank < 0) {
-      dispatch::warp_zero_16b(dst, row_vectors);
-      continue;
-    }
-    const float w = ws.peer<const float>(
-        entry.src_rank,
-        ws.sym_topk_weights)[static_cast<int64_t>(entry.src_token) * ws.num_topk + entry.slot];
-    const int4* src = ws.peer<const int4>(entry.src_rank, ws.sym_d_out) + entry.src_token * row_vectors;
-    for (int64_t v = lane; v < row_vectors; v += 32) {
-      const int4 packed = src[v];
-      const __nv_bfloat16* d = reinterpret_cast<const __nv_bfloat16*>(&packed);
-      int4 scaled;
-      __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&scaled);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(__fmul_rn(w, __bfloat162float(d[i])));
-      dst[v] = scaled;
-    }
-  }
+  for (int64_t row = first_row + dispatch::global_warp(); row < end_row; row += dispatch::num_global_warps())
+    pull_scaled_row(ws, row);
 }
 
 template <int kNumThreads>

@@ -5,7 +5,7 @@
 #include <atomic>
 
 #include "kernels/common/tma.h"
-#include "kernels/gemm/gemm_maps.h"
+#include "kernels/gemm/gemm_operands.h"
 #include "kernels/gemm/grouped_gemm_kernel.cuh"
 #include "pounce/error.h"
 
@@ -141,14 +141,13 @@ CUtensorMap transposed_weight_map(const void* w, int num_groups, int64_t rows, i
 }
 
 template <KernelKind kKind>
-void launch(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b0, const CUtensorMap& tmap_b1,
-            gemm::GroupedGemmArgs args, int64_t max_tiles, int max_ctas, cudaStream_t stream) {
+void launch(GemmOperands operands, int64_t max_tiles, int max_ctas, cudaStream_t stream) {
   const DeviceInfo& info = device_info();
-  args.error_flag = info.error_flag;
+  operands.args.error_flag = info.error_flag;
   const int ctas = max_ctas > 0 ? std::min(max_ctas, info.num_sms) : info.num_sms;
   const int grid = static_cast<int>(std::min<int64_t>(ctas, max_tiles));
-  gemm::grouped_gemm_kernel<kKind>
-      <<<grid, GemmConfig::kNumThreads, gemm::kSharedBytes, stream>>>(tmap_a, tmap_b0, tmap_b1, args);
+  gemm::grouped_gemm_kernel<kKind><<<grid, GemmConfig::kNumThreads, gemm::kSharedBytes, stream>>>(
+      operands.a, operands.b0, operands.b1, operands.args);
   POUNCE_GEMM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -157,7 +156,7 @@ int64_t row_tiles(const GroupedRows& rows, int64_t n, int out_block_n) {
   return rows.max_rows / GemmConfig::BLOCK_M * ((n + out_block_n - 1) / out_block_n);
 }
 
-// The fields every launch shares: which rows, how many groups, the problem extents.
+// The fields every GEMM shares: which rows, how many groups, the problem extents.
 gemm::GroupedGemmArgs base_args(const GroupedRows& rows, int64_t n, int64_t k) {
   gemm::GroupedGemmArgs args{};
   args.group_row_offset = rows.group_row_offset;
@@ -180,23 +179,23 @@ CUtensorMap weight_rows_map(const void* w, int num_groups, int64_t n, int64_t k,
   return weight_map(w, num_groups, n, k, box_rows);
 }
 
-void grouped_gemm(const GroupedRows& rows, const void* a, const void* b, void* c, int64_t n, int64_t k,
-                  cudaStream_t stream) {
+GemmOperands store_operands(const GroupedRows& rows, const void* a, const void* b, void* c, int64_t n,
+                            int64_t k) {
   check_common(rows, a, n, k);
   check_output(b, "b");
   check_output(c, "c");
-  if (rows.max_rows == 0) return;
-  const CUtensorMap tmap_a = activation_map(rows, a, k);
-  const CUtensorMap tmap_b = weight_map(b, rows.num_groups, n, k, GemmConfig::BLOCK_N);
-  gemm::GroupedGemmArgs args = base_args(rows, n, k);
-  args.out0 = static_cast<__nv_bfloat16*>(c);
-  launch<KernelKind::kForwardStore>(tmap_a, tmap_b, tmap_b, args, row_tiles(rows, n, GemmConfig::BLOCK_N),
-                                    rows.max_ctas, stream);
+  GemmOperands o{};
+  o.args = base_args(rows, n, k);
+  o.args.out0 = static_cast<__nv_bfloat16*>(c);
+  if (rows.max_rows == 0) return o;  // no rows to map: the launchers stop here
+  o.a = activation_map(rows, a, k);
+  o.b0 = o.b1 = weight_map(b, rows.num_groups, n, k, GemmConfig::BLOCK_N);
+  return o;
 }
 
-void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate, const void* w_up, void* g,
-                     void* u, void* act, int64_t n, int64_t k, const ActivationParams& activation,
-                     cudaStream_t stream) {
+GemmOperands gate_up_operands(const GroupedRows& rows, const void* a, const void* w_gate, const void* w_up,
+                              void* g, void* u, void* act, int64_t n, int64_t k,
+                              const ActivationParams& activation) {
   check_common(rows, a, n, k);
   check_output(w_gate, "w_gate");
   check_output(w_up, "w_up");
@@ -207,22 +206,22 @@ void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate,
                "ActivationParams.kind = ", activation.kind, " unknown; fix: 0 (SwiGLU) or 1 (GPT-OSS)");
   POUNCE_CHECK(activation.clamp_limit > 0.f, "ActivationParams.clamp_limit = ", activation.clamp_limit,
                " must be positive; fix: +inf for no clamp");
-  if (rows.max_rows == 0) return;
-  const CUtensorMap tmap_a = activation_map(rows, a, k);
-  const CUtensorMap tmap_gate = weight_map(w_gate, rows.num_groups, n, k, GemmConfig::BLOCK_N / 2);
-  const CUtensorMap tmap_up = weight_map(w_up, rows.num_groups, n, k, GemmConfig::BLOCK_N / 2);
-  gemm::GroupedGemmArgs args = base_args(rows, n, k);
-  args.out0 = static_cast<__nv_bfloat16*>(g);
-  args.out1 = static_cast<__nv_bfloat16*>(u);
-  args.out2 = static_cast<__nv_bfloat16*>(act);
-  args.activation = activation;
-  launch<KernelKind::kForwardGateUp>(tmap_a, tmap_gate, tmap_up, args,
-                                     row_tiles(rows, n, GemmConfig::BLOCK_N / 2), rows.max_ctas, stream);
+  GemmOperands o{};
+  o.args = base_args(rows, n, k);
+  o.args.out0 = static_cast<__nv_bfloat16*>(g);
+  o.args.out1 = static_cast<__nv_bfloat16*>(u);
+  o.args.out2 = static_cast<__nv_bfloat16*>(act);
+  o.args.activation = activation;
+  if (rows.max_rows == 0) return o;  // no rows to map: the launchers stop here
+  o.a = activation_map(rows, a, k);
+  o.b0 = weight_map(w_gate, rows.num_groups, n, k, GemmConfig::BLOCK_N / 2);
+  o.b1 = weight_map(w_up, rows.num_groups, n, k, GemmConfig::BLOCK_N / 2);
+  return o;
 }
 
-void grouped_activation_backward(const GroupedRows& rows, const void* a, const void* w, const void* g,
-                                 const void* u, void* d_g, void* d_u, int64_t d_ld, int64_t n, int64_t k,
-                                 const ActivationParams& activation, cudaStream_t stream) {
+GemmOperands activation_backward_operands(const GroupedRows& rows, const void* a, const void* w, const void* g,
+                                          const void* u, void* d_g, void* d_u, int64_t d_ld, int64_t n,
+                                          int64_t k, const ActivationParams& activation) {
   check_common(rows, a, n, k);
   check_output(w, "w");
   check_output(g, "g");
@@ -230,42 +229,41 @@ void grouped_activation_backward(const GroupedRows& rows, const void* a, const v
   check_output(d_g, "d_g");
   check_output(d_u, "d_u");
   POUNCE_CHECK(d_ld >= n && d_ld % 8 == 0, "d_ld = ", d_ld, " must be >= n = ", n, " and a multiple of 8");
-  if (rows.max_rows == 0) return;
-  const CUtensorMap tmap_a = activation_map(rows, a, k);
-  const CUtensorMap tmap_w = transposed_weight_map(w, rows.num_groups, k, n);
-  gemm::GroupedGemmArgs args = base_args(rows, n, k);
-  args.out0 = static_cast<__nv_bfloat16*>(d_g);
-  args.out1 = static_cast<__nv_bfloat16*>(d_u);
-  args.out_ld = d_ld;
-  args.in0 = static_cast<const __nv_bfloat16*>(g);
-  args.in1 = static_cast<const __nv_bfloat16*>(u);
-  args.activation = activation;
-  launch<KernelKind::kDataGradActivation>(tmap_a, tmap_w, tmap_w, args,
-                                          row_tiles(rows, n, GemmConfig::BLOCK_N), rows.max_ctas, stream);
+  GemmOperands o{};
+  o.args = base_args(rows, n, k);
+  o.args.out0 = static_cast<__nv_bfloat16*>(d_g);
+  o.args.out1 = static_cast<__nv_bfloat16*>(d_u);
+  o.args.out_ld = d_ld;
+  o.args.in0 = static_cast<const __nv_bfloat16*>(g);
+  o.args.in1 = static_cast<const __nv_bfloat16*>(u);
+  o.args.activation = activation;
+  if (rows.max_rows == 0) return o;  // no rows to map: the launchers stop here
+  o.a = activation_map(rows, a, k);
+  o.b0 = o.b1 = transposed_weight_map(w, rows.num_groups, k, n);
+  return o;
 }
 
-void grouped_gemm_transposed(const GroupedRows& rows, const void* a, const void* b0, const void* b1,
-                             int64_t k_split, void* c, int64_t n, int64_t k, cudaStream_t stream) {
+GemmOperands transposed_operands(const GroupedRows& rows, const void* a, const void* b0, const void* b1,
+                                 int64_t k_split, void* c, int64_t n, int64_t k) {
   check_common(rows, a, n, k);
   check_output(b0, "b0");
   check_output(c, "c");
   POUNCE_CHECK(k_split > 0 && k_split <= k && k_split % GemmConfig::BLOCK_K == 0, "k_split = ", k_split,
                " must be a positive multiple of ", GemmConfig::BLOCK_K, " and <= k = ", k);
   POUNCE_CHECK(k_split == k || b1 != nullptr, "b1 is null but k_split = ", k_split, " < k = ", k);
-  if (rows.max_rows == 0) return;
-  const CUtensorMap tmap_a = activation_map(rows, a, k);
-  const CUtensorMap tmap_b0 = transposed_weight_map(b0, rows.num_groups, k_split, n);
-  const CUtensorMap tmap_b1 =
-      k_split == k ? tmap_b0 : transposed_weight_map(b1, rows.num_groups, k - k_split, n);
-  gemm::GroupedGemmArgs args = base_args(rows, n, k);
-  args.k_split = static_cast<int32_t>(k_split);
-  args.out0 = static_cast<__nv_bfloat16*>(c);
-  launch<KernelKind::kDataGrad>(tmap_a, tmap_b0, tmap_b1, args, row_tiles(rows, n, GemmConfig::BLOCK_N),
-                                rows.max_ctas, stream);
+  GemmOperands o{};
+  o.args = base_args(rows, n, k);
+  o.args.k_split = static_cast<int32_t>(k_split);
+  o.args.out0 = static_cast<__nv_bfloat16*>(c);
+  if (rows.max_rows == 0) return o;  // no rows to map: the launchers stop here
+  o.a = activation_map(rows, a, k);
+  o.b0 = transposed_weight_map(b0, rows.num_groups, k_split, n);
+  o.b1 = k_split == k ? o.b0 : transposed_weight_map(b1, rows.num_groups, k - k_split, n);
+  return o;
 }
 
-void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, int64_t m, const void* b,
-                         int64_t b_ld, int64_t n, void* d, WeightGradMode mode, cudaStream_t stream) {
+GemmOperands weight_grad_operands(const GroupedRows& rows, const void* a, int64_t a_ld, int64_t m,
+                                  const void* b, int64_t b_ld, int64_t n, void* d, WeightGradMode mode) {
   check_common(rows, a, n, /*k=*/64);
   POUNCE_CHECK(m >= 64 && m % 64 == 0 && m < (int64_t{1} << 24), "m = ", m,
                " must be a positive multiple of 64; fix: pad the weight rows");
@@ -276,6 +274,53 @@ void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, i
   POUNCE_CHECK(mode == WeightGradMode::kStoreF32 || mode == WeightGradMode::kAccumulateF32 ||
                    mode == WeightGradMode::kStoreBf16,
                "WeightGradMode ", static_cast<int>(mode), " unknown");
+  GemmOperands o{};
+  o.args = base_args(rows, n, /*k=*/0);
+  o.args.m = static_cast<int32_t>(m);
+  o.args.weight_grad = d;
+  o.args.weight_grad_mode = mode;
+  if (rows.max_rows == 0) return o;  // no rows to map: the launchers stop here
+  o.a = transposed_activation_map(rows, a, a_ld, m);
+  o.b0 = o.b1 = transposed_activation_map(rows, b, b_ld, n);
+  return o;
+}
+
+void grouped_gemm(const GroupedRows& rows, const void* a, const void* b, void* c, int64_t n, int64_t k,
+                  cudaStream_t stream) {
+  const GemmOperands operands = store_operands(rows, a, b, c, n, k);
+  if (rows.max_rows == 0) return;
+  launch<KernelKind::kForwardStore>(operands, row_tiles(rows, n, GemmConfig::BLOCK_N), rows.max_ctas, stream);
+}
+
+void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate, const void* w_up, void* g,
+                     void* u, void* act, int64_t n, int64_t k, const ActivationParams& activation,
+                     cudaStream_t stream) {
+  const GemmOperands operands = gate_up_operands(rows, a, w_gate, w_up, g, u, act, n, k, activation);
+  if (rows.max_rows == 0) return;
+  launch<KernelKind::kForwardGateUp>(operands, row_tiles(rows, n, GemmConfig::BLOCK_N / 2), rows.max_ctas,
+                                     stream);
+}
+
+void grouped_activation_backward(const GroupedRows& rows, const void* a, const void* w, const void* g,
+                                 const void* u, void* d_g, void* d_u, int64_t d_ld, int64_t n, int64_t k,
+                                 const ActivationParams& activation, cudaStream_t stream) {
+  const GemmOperands operands =
+      activation_backward_operands(rows, a, w, g, u, d_g, d_u, d_ld, n, k, activation);
+  if (rows.max_rows == 0) return;
+  launch<KernelKind::kDataGradActivation>(operands, row_tiles(rows, n, GemmConfig::BLOCK_N), rows.max_ctas,
+                                          stream);
+}
+
+void grouped_gemm_transposed(const GroupedRows& rows, const void* a, const void* b0, const void* b1,
+                             int64_t k_split, void* c, int64_t n, int64_t k, cudaStream_t stream) {
+  const GemmOperands operands = transposed_operands(rows, a, b0, b1, k_split, c, n, k);
+  if (rows.max_rows == 0) return;
+  launch<KernelKind::kDataGrad>(operands, row_tiles(rows, n, GemmConfig::BLOCK_N), rows.max_ctas, stream);
+}
+
+void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, int64_t m, const void* b,
+                         int64_t b_ld, int64_t n, void* d, WeightGradMode mode, cudaStream_t stream) {
+  const GemmOperands operands = weight_grad_operands(rows, a, a_ld, m, b, b_ld, n, d, mode);
   // Capacity zero still owes zero gradients to every group: write them without a GEMM.
   if (rows.max_rows == 0) {
     const size_t element = mode == WeightGradMode::kStoreBf16 ? 2 : 4;
@@ -283,15 +328,9 @@ void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, i
       POUNCE_GEMM_CUDA_CHECK(cudaMemsetAsync(d, 0, element * rows.num_groups * m * n, stream));
     return;
   }
-  const CUtensorMap tmap_a = transposed_activation_map(rows, a, a_ld, m);
-  const CUtensorMap tmap_b = transposed_activation_map(rows, b, b_ld, n);
-  gemm::GroupedGemmArgs args = base_args(rows, n, /*k=*/0);
-  args.m = static_cast<int32_t>(m);
-  args.weight_grad = d;
-  args.weight_grad_mode = mode;
   const int64_t tiles = rows.num_groups * ((m + GemmConfig::BLOCK_M - 1) / GemmConfig::BLOCK_M) *
                         ((n + GemmConfig::BLOCK_N - 1) / GemmConfig::BLOCK_N);
-  launch<KernelKind::kWeightGrad>(tmap_a, tmap_b, tmap_b, args, tiles, rows.max_ctas, stream);
+  launch<KernelKind::kWeightGrad>(operands, tiles, rows.max_ctas, stream);
 }
 
 int32_t grouped_gemm_error_code(bool reset) {

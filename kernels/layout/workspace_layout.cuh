@@ -60,14 +60,17 @@ enum class WaitId : int32_t {
   kCombineBarrier = 2,          // forward: expert outputs pushed
   kBackwardInputsBarrier = 3,   // backward: d_out and topk_weights staged for the owners' pulls
   kBackwardCombineBarrier = 4,  // backward: d_x pairs pushed
-  // Inside the fused forward kernel (one GPU; `peer` is the minibatch or m-block waited on):
+  // Inside the fused kernels (one GPU; `peer` is the minibatch or m-block waited on):
   kFusedRowsReady = 5,    // compute CTA: a minibatch's rows pulled by every communication CTA
   kFusedGateUpDone = 6,   // compute CTA: every gate/up tile of an m-block stored, before its down tiles
   kFusedRowsDone = 7,     // communication CTA: every down tile of a minibatch stored, before its push
   kFusedTaskHandoff = 8,  // producer <-> consumer warpgroups of one CTA (task slots, stage ring)
+  kFusedBackwardRowsReady = 9,  // backward compute CTA: a minibatch's dy rows pulled
+  kFusedActGradDone = 10,       // backward compute CTA: every d_a tile of an m-block stored
+  kFusedBackwardRowsDone = 11,  // backward communication CTA: every d_x tile of a minibatch, before its push
 };
 
-// The fused forward kernel's GPU-scope counters (local region, zeroed before every launch), in uint32
+// The fused kernels' GPU-scope counters (local region, zeroed before every launch), in uint32
 // words: a header, then per-minibatch and per-m-block counts (sched/forward_tasks.cuh).
 inline constexpr int64_t kFusedTicket = 0;     // next task of the compute CTAs' list
 inline constexpr int64_t kFusedRole = 1;       // CTAs started so far: the first comm_ctas communicate

@@ -408,7 +408,13 @@ const char* wait_name(layout::WaitId id) {
     case layout::WaitId::kFusedRowsDone:
       return "fused forward: down tiles of a minibatch, before its push";
     case layout::WaitId::kFusedTaskHandoff:
-      return "fused forward: task or stage handoff inside a CTA";
+      return "fused kernel: task or stage handoff inside a CTA";
+    case layout::WaitId::kFusedBackwardRowsReady:
+      return "fused backward: minibatch dy rows pulled";
+    case layout::WaitId::kFusedActGradDone:
+      return "fused backward: d_a tiles of an m-block";
+    case layout::WaitId::kFusedBackwardRowsDone:
+      return "fused backward: d_x tiles of a minibatch, before its push";
     case layout::WaitId::kNone:
       break;
   }
@@ -531,7 +537,11 @@ void backward(GpuWorkspace& workspace, const BackwardArgs& args, void* stream) {
   POUNCE_CHECK(workspace.context_tokens == num_tokens_of(args.inputs), "backward got ",
                num_tokens_of(args.inputs), " tokens but the forward context holds ", workspace.context_tokens,
                "; pass the inputs of the matching forward");
-  launch_staged_backward(workspace, args, static_cast<cudaStream_t>(stream));
+  if (workspace.config.kernel_path == KernelPath::kFused) {
+    launch_fused_backward(workspace, args, static_cast<cudaStream_t>(stream));
+  } else {
+    launch_staged_backward(workspace, args, static_cast<cudaStream_t>(stream));
+  }
 }
 
 }  // namespace pounce::gpu

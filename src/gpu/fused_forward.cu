@@ -23,7 +23,7 @@
 #include <string>
 
 #include "kernels/fused/fused_forward.cuh"
-#include "kernels/gemm/gemm_maps.h"
+#include "kernels/gemm/gemm_operands.h"
 #include "src/gpu/gpu_state.h"
 #include "src/gpu/overlap.h"
 #include "src/gpu/stage_timer.h"
@@ -76,12 +76,19 @@ bool fused_push_combine(const GpuWorkspace& workspace) {
   return workspace.layout.num_ranks > 1 && workspace.layout.intermediate < kCommHeavyIntermediate;
 }
 
-int fused_comm_ctas(const GpuWorkspace& workspace, bool push_combine) {
+int fused_comm_ctas(const GpuWorkspace& workspace, bool push_combine, int configured) {
   const int heuristic = push_combine                     ? kPushCommCtas
                         : workspace.layout.num_ranks > 1 ? kScatterCommCtas
                                                          : kOneRankCommCtas;
-  const int configured = workspace.config.forward_comm_sms;
   return std::clamp(configured > 0 ? configured : heuristic, 1, std::max(1, workspace.num_sms / 2));
+}
+
+int32_t fused_unit_blocks(const GpuWorkspace& workspace, bool push_combine) {
+  const int64_t minibatch = workspace.config.minibatch_size;
+  const int64_t heuristic_blocks = push_combine ? kPushUnitBlocks : kDefaultUnitBlocks;
+  const int64_t max_m_blocks = std::max<int64_t>(1, workspace.layout.rows_capacity / layout::kBlockM);
+  return static_cast<int32_t>(
+      std::clamp<int64_t>(minibatch > 0 ? minibatch / layout::kBlockM : heuristic_blocks, 1, max_m_blocks));
 }
 
 void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
@@ -131,12 +138,8 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   params.shared_down =
       gemm_args(H, std::max<int64_t>(Is, 64), p.shared_y, nullptr, nullptr, launch.activation, gemm_error);
   params.push_combine = fused_push_combine(workspace);
-  params.comm_ctas = fused_comm_ctas(workspace, params.push_combine);
-  const int64_t minibatch = workspace.config.minibatch_size;
-  const int64_t heuristic_blocks = params.push_combine ? kPushUnitBlocks : kDefaultUnitBlocks;
-  const int64_t max_m_blocks = std::max<int64_t>(1, p.rows_capacity / layout::kBlockM);
-  params.unit_blocks = static_cast<int32_t>(
-      std::clamp<int64_t>(minibatch > 0 ? minibatch / layout::kBlockM : heuristic_blocks, 1, max_m_blocks));
+  params.comm_ctas = fused_comm_ctas(workspace, params.push_combine, workspace.config.forward_comm_sms);
+  params.unit_blocks = fused_unit_blocks(workspace, params.push_combine);
 
   // Counters start at zero every call (a memset node in a captured graph).
   POUNCE_CUDA(

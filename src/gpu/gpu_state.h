@@ -119,8 +119,28 @@ void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cud
 void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
                           bool write_out);
 
+// The parts of a backward both paths share (src/gpu/staged_backward.cu). The prologue checks every argument
+// before it queues anything, then stages d_out and the router weights, writes d_topk_weights and waits at
+// the inputs barrier; the epilogue waits at the combine barrier and sums d_x.
+struct BackwardLaunch {
+  int64_t num_tokens = 0;
+  kernels::ActivationParams activation;
+};
+BackwardLaunch launch_backward_prologue(GpuWorkspace& workspace, const BackwardArgs& args, StageTimer& timer,
+                                        cudaStream_t stream);
+void launch_backward_epilogue(GpuWorkspace& workspace, const BackwardArgs& args, const BackwardLaunch& launch,
+                              StageTimer& timer, cudaStream_t stream);
+
 // Launches the staged backward on `stream` (src/gpu/staged_backward.cu). Consumes the forward context the
 // last forward (or recompute_forward_context) of this workspace left; does not modify it.
 void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream);
+// The same through the fused backward kernel (src/gpu/fused_backward.cu); bitwise the same gradients.
+void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream);
+
+// Heuristics the fused kernels share (src/gpu/fused_forward.cu): whether the communication CTAs push the
+// combine (else the second GEMM's epilogue scatters into the owners' slots), and how many there are.
+bool fused_push_combine(const GpuWorkspace& workspace);
+int fused_comm_ctas(const GpuWorkspace& workspace, bool push_combine, int configured);
+int32_t fused_unit_blocks(const GpuWorkspace& workspace, bool push_combine);
 
 }  // namespace pounce::gpu

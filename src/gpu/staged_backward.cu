@@ -1,5 +1,5 @@
-// The staged backward (DESIGN.md §1, §4): the chain of standalone stage kernels that the backward
-// megakernel will fuse. Stream-ordered, nothing allocated, no routing count read on the host: the schedule,
+// The staged backward (DESIGN.md §1, §4): the chain of standalone stage kernels that the fused backward
+// kernel (src/gpu/fused_backward.cu) runs as one launch between the same prologue and epilogue. Stream-ordered, nothing allocated, no routing count read on the host: the schedule,
 // row offsets and routed activations of the forward context drive every kernel on the device, so the whole
 // chain is capturable in a CUDA graph together with the forward.
 //
@@ -20,30 +20,12 @@
 #include "kernels/combine/combine.cuh"
 #include "kernels/gemm/grouped_gemm.h"
 #include "src/gpu/gpu_state.h"
+#include "src/gpu/mlp_backward.h"
 #include "src/gpu/overlap.h"
 #include "src/gpu/stage_timer.h"
 
 namespace pounce::gpu {
 namespace {
-
-kernels::WeightGradMode weight_grad_mode(const TensorView& grad, bool accumulate) {
-  if (accumulate) return kernels::WeightGradMode::kAccumulateF32;
-  return grad.dtype == DType::kFP32 ? kernels::WeightGradMode::kStoreF32
-                                    : kernels::WeightGradMode::kStoreBf16;
-}
-
-// The MLP backward of one set of experts on expert-grouped rows (routed: El groups; shared: one group of
-// the rank's own rows):
-//   [d_g, d_u] = act'(g, u) * (dy . w_down)      d_x = [d_g, d_u] . [w_gate; w_up]
-//   d_w_down = dy^T a    d_w_gate = d_g^T x    d_w_up = d_u^T x
-struct MlpBackward {
-  kernels::GroupedRows rows;
-  int64_t intermediate;
-  const void *x, *dy, *g, *u, *act;  // [rows][H], [rows][H], [rows][I] x3
-  void *d_gu, *dx;                   // [rows][2I], [rows][H]
-  const ExpertWeights* weights;
-  const ExpertWeights* grads;
-};
 
 // Data gradients of groups [first_group, first_group + num_groups) of m (a pipeline chunk).
 void launch_mlp_data_grads(const MlpBackward& m, int first_group, int num_groups, int64_t H,
@@ -53,10 +35,10 @@ void launch_mlp_data_grads(const MlpBackward& m, int first_group, int num_groups
   rows.group_row_offset += first_group;
   rows.num_groups = num_groups;
   void* d_u = static_cast<char*>(m.d_gu) + I * 2;
-  kernels::grouped_activation_backward(rows, m.dy, expert_slice(m.weights->down, first_group), m.g, m.u,
+  kernels::grouped_activation_backward(rows, m.dy, expert_slice(m.weights.down, first_group), m.g, m.u,
                                        m.d_gu, d_u, 2 * I, I, H, activation, stream);
-  kernels::grouped_gemm_transposed(rows, m.d_gu, expert_slice(m.weights->gate, first_group),
-                                   expert_slice(m.weights->up, first_group), I, m.dx, H, 2 * I, stream);
+  kernels::grouped_gemm_transposed(rows, m.d_gu, expert_slice(m.weights.gate, first_group),
+                                   expert_slice(m.weights.up, first_group), I, m.dx, H, 2 * I, stream);
 }
 
 void launch_mlp_weight_grads(const MlpBackward& m, int64_t H, bool accumulate, cudaStream_t stream) {
@@ -70,23 +52,15 @@ void launch_mlp_weight_grads(const MlpBackward& m, int64_t H, bool accumulate, c
                                weight_grad_mode(m.grads->up, accumulate), stream);
 }
 
-// The shared expert's [1, Is, H] / [1, H, Is] view of its 2-D weights, so expert_slice applies.
-ExpertWeights as_one_expert(const ExpertWeights& w) {
-  ExpertWeights one = w;
-  for (TensorView* t : {&one.gate, &one.up, &one.down}) {
-    if (t->shape.size() == 2) t->shape.insert(t->shape.begin(), 1);
-  }
-  return one;
-}
-
 }  // namespace
 
-void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream) {
-  DeviceGuard guard(workspace.device);
+BackwardLaunch launch_backward_prologue(GpuWorkspace& workspace, const BackwardArgs& args, StageTimer& timer,
+                                        cudaStream_t stream) {
   const layout::WorkspacePointers p = workspace.pointers();
   const ForwardArgs& in = args.inputs;
-  const int64_t num_tokens = in.x.shape.empty() ? 0 : in.x.shape[0];
-  const int64_t H = p.hidden, I = p.intermediate, Is = p.shared_intermediate;
+  BackwardLaunch launch;
+  launch.num_tokens = in.x.shape.empty() ? 0 : in.x.shape[0];
+  const int64_t num_tokens = launch.num_tokens;
   POUNCE_CHECK(num_tokens >= 0 && num_tokens <= p.max_tokens, "x has ", num_tokens,
                " tokens but the workspace was created for max_tokens = ", p.max_tokens);
   POUNCE_CHECK(num_tokens == 0 || (aligned_16(args.d_out.data) && aligned_16(args.d_x.data)),
@@ -96,10 +70,9 @@ void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, c
   check_weights_aligned(in.shared, "shared");
   check_weights_aligned(args.d_routed, "d_routed");
   check_weights_aligned(args.d_shared, "d_shared");
-  const kernels::ActivationParams activation = activation_params(workspace.config.activation);
+  launch.activation = activation_params(workspace.config.activation);
   const int copy_grid = workspace.num_sms * 4;
 
-  StageTimer timer("backward", p.rank, stream);
   // 1. Token side: stage d_out and the router weights for the owners' pulls; router gradient from the
   //    forward's slots; barrier.
   reverse_combine::stage_inputs_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(
@@ -112,6 +85,32 @@ void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, c
   launch_barrier(p, layout::WaitId::kBackwardInputsBarrier, stream);
   timer.mark("barrier");
   POUNCE_CUDA(cudaGetLastError());
+  return launch;
+}
+
+void launch_backward_epilogue(GpuWorkspace& workspace, const BackwardArgs& args, const BackwardLaunch& launch,
+                              StageTimer& timer, cudaStream_t stream) {
+  const layout::WorkspacePointers p = workspace.pointers();
+  // 5. Token side: every d_x pair has arrived after the barrier; fixed-order sum.
+  launch_barrier(p, layout::WaitId::kBackwardCombineBarrier, stream);
+  timer.mark("barrier");
+  if (launch.num_tokens > 0) {
+    combine::weighted_sum_kernel<kCopyThreads><<<workspace.num_sms * 4, kCopyThreads, 0, stream>>>(
+        p, p.sym_dx_slots, nullptr, p.shared_intermediate > 0 ? p.shared_dx : nullptr, args.d_x.data,
+        launch.num_tokens);
+  }
+  timer.mark("sum");
+  POUNCE_CUDA(cudaGetLastError());
+}
+
+void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream) {
+  DeviceGuard guard(workspace.device);
+  const layout::WorkspacePointers p = workspace.pointers();
+  const int64_t H = p.hidden, Is = p.shared_intermediate;
+  StageTimer timer("backward", p.rank, stream);
+  const BackwardLaunch launch = launch_backward_prologue(workspace, args, timer, stream);
+  const kernels::ActivationParams& activation = launch.activation;
+  const int64_t num_tokens = launch.num_tokens;
 
   // 2-4 overlapped (src/gpu/overlap.h): the comm stream pulls chunk c's scaled d_out rows while earlier
   // chunks compute, and pushes chunk c's d_x rows while later chunks compute; the shared expert covers the
@@ -127,35 +126,13 @@ void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, c
   }
   POUNCE_CUDA(cudaGetLastError());
 
-  // Shared expert on this rank's own rows (sym_x and sym_d_out, T padded to 128 with zero rows).
-  const ExpertWeights shared_weights = as_one_expert(in.shared);
-  const MlpBackward shared{{p.token_capacity, p.shared_row_offset, 1, overlap.gemm_ctas()},
-                           Is,
-                           p.local_sym<const void>(p.sym_x),
-                           p.local_sym<const void>(p.sym_d_out),
-                           p.shared_g,
-                           p.shared_u,
-                           p.shared_act,
-                           p.shared_d_gu,
-                           p.shared_dx,
-                           &shared_weights,
-                           &args.d_shared};
+  const MlpBackward shared = shared_mlp_backward(p, args, overlap.gemm_ctas());
   if (Is > 0 && num_tokens > 0) launch_mlp_data_grads(shared, 0, 1, H, activation, stream);
   if (Is > 0) launch_mlp_weight_grads(shared, H, args.accumulate_weight_grads, stream);
 
   timer.mark("shared");
   // Routed experts, chunk by chunk: data gradients, then the reverse-dispatch push on the comm stream.
-  const MlpBackward routed{{p.rows_capacity, p.group_row_offset, p.num_local_experts, overlap.gemm_ctas()},
-                           I,
-                           p.x_rows,
-                           p.dy_rows,
-                           p.g_rows,
-                           p.u_rows,
-                           p.act_rows,
-                           p.d_gu_rows,
-                           p.dx_rows,
-                           &in.routed,
-                           &args.d_routed};
+  const MlpBackward routed = routed_mlp_backward(p, args, overlap.gemm_ctas());
   for (int c = 0; c < overlap.num_chunks(); ++c) {
     const int e0 = overlap.chunk_begin(c), e1 = overlap.chunk_begin(c + 1);
     overlap.wait(stream, pulled[c]);
@@ -171,16 +148,7 @@ void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, c
   timer.mark("weight_grads");
   overlap.main_after_comm();
   timer.mark("join");
-
-  // 5. Token side: every d_x pair has arrived after the barrier; fixed-order sum.
-  launch_barrier(p, layout::WaitId::kBackwardCombineBarrier, stream);
-  timer.mark("barrier");
-  if (num_tokens > 0) {
-    combine::weighted_sum_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(
-        p, p.sym_dx_slots, nullptr, Is > 0 ? p.shared_dx : nullptr, args.d_x.data, num_tokens);
-  }
-  timer.mark("sum");
-  POUNCE_CUDA(cudaGetLastError());
+  launch_backward_epilogue(workspace, args, launch, timer, stream);
 }
 
 }  // namespace pounce::gpu

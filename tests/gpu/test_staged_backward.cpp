@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -627,6 +628,60 @@ TEST(StagedBackward, ChunksAndCommSmsDoNotChangeResults) {
       EXPECT_EQ(first_difference(a[c][r].fp32_runs[0].second, b[c][r].fp32_runs[0].second), "") << where;
     }
   }
+}
+
+// The fused backward kernel against the staged chain, bitwise: every fp32 run (including after recompute),
+// the bf16 and the accumulate run, with both combines (push by the communication CTAs, scatter from the d_x
+// epilogues), minibatches of one m-block (many handoffs, d_x tiles waiting on d_a tiles in flight, weight
+// gradients waiting on units still being pulled) and the default; uniform routing, all tokens on one
+// expert, T = 0 on a rank, shared expert and both activations (clamped). Both paths also meet the reference.
+TEST(FusedBackward, EqualsStagedBitwise) {
+  SKIP_UNLESS_GPUS(1);
+  for (int R = 1; R <= std::min(2, visible_gpus()); ++R) {
+    const Model shared = make_model(make_shape(300, 256, 192, 8, 4, 128, R),
+                                    clamped(pounce::Activation::gpt_oss(), 1.0f), 141);
+    const Model routed =
+        make_model(make_shape(500, 256, 128, 16, 8, 0, R), clamped(pounce::Activation::swiglu(), 1.5f), 142);
+    auto tokens = [R](int64_t a, int64_t b) {
+      return R == 2 ? std::vector<int64_t>{a, b} : std::vector<int64_t>{a};
+    };
+    for (const char* combine : {"push", "scatter"}) {
+      ASSERT_EQ(setenv("POUNCE_FUSED_COMBINE", combine, 1), 0);  // read at each launch
+      for (int64_t minibatch : {int64_t{128}, int64_t{0}}) {
+        const std::string label =
+            " ranks " + std::to_string(R) + " combine " + combine + " minibatch " + std::to_string(minibatch);
+        for (const Model* m : {&shared, &routed}) {
+          const std::vector<Call> calls =
+              m == &shared ? std::vector<Call>{{tokens(300, 255), Routing::kRandom, false, 143},
+                                               {tokens(0, 300), Routing::kAllToOneExpert, true, 144}}
+                           : std::vector<Call>{{tokens(500, 499), Routing::kRandom, false, 145},
+                                               {tokens(129, 0), Routing::kFewExperts, false, 146}};
+          pounce::Config staged, fused;
+          staged.kernel_path = pounce::KernelPath::kStaged;
+          fused.kernel_path = pounce::KernelPath::kFused;
+          staged.minibatch_size = fused.minibatch_size = minibatch;
+          const std::string name = (m == &shared ? "shared expert" : "routed only") + label;
+          const auto a = run_and_check(*m, calls, false, "staged, " + name, staged);
+          const auto b = run_and_check(*m, calls, false, "fused, " + name, fused);
+          for (size_t c = 0; c < calls.size(); ++c) {
+            for (int r = 0; r < R; ++r) {
+              const std::string where = name + " call " + std::to_string(c) + " rank " + std::to_string(r);
+              const RankBackwardResult &x = a[c][r], &y = b[c][r];
+              ASSERT_EQ(x.fp32_runs.size(), y.fp32_runs.size()) << where;
+              ASSERT_FALSE(x.fp32_runs.empty()) << where;
+              for (size_t i = 0; i < x.fp32_runs.size(); ++i) {
+                EXPECT_EQ(first_difference(x.fp32_runs[i].second, y.fp32_runs[i].second), "")
+                    << where << ": " << x.fp32_runs[i].first;
+              }
+              EXPECT_EQ(first_difference(x.bf16_run, y.bf16_run), "") << where << ": bf16 weight gradients";
+              EXPECT_EQ(first_difference(x.accumulate_run, y.accumulate_run), "") << where << ": accumulate";
+            }
+          }
+        }
+      }
+    }
+  }
+  unsetenv("POUNCE_FUSED_COMBINE");
 }
 
 // The forward reports the bad id and skips that slot; backward then runs like the reference with -1 there,

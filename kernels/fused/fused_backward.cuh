@@ -1,0 +1,281 @@
+// The fused backward kernel (DESIGN.md §2, issue #5): reverse-combine pull, the shared expert's backward,
+// d_a with the activation backward, d_x, the reverse-dispatch push and every weight gradient in ONE
+// persistent launch, one CTA per SM, after the backward's token side (stage d_out, router gradient,
+// barrier) and before its combine barrier and d_x sum (src/gpu/fused_backward.cu runs those around it).
+//
+// The same machinery as the fused forward (fused_common.cuh): the first `comm_ctas` CTAs to start pull
+// every routed unit's scaled rows dy = bf16(w * d_out) from the token owners and, with the push combine,
+// push finished d_x rows back; the compute CTAs take tickets over the list of sched/backward_tasks.cuh,
+// wait for each task's inputs, and run the GEMM mainloop of kernels/gemm on it:
+//   d_a tile    (kDataGradActivation) d_g, d_u = act'(g, u) * (dy . w_down)   -> counts first_done[m]
+//   d_x tile    (kDataGrad)           d_x = [d_g, d_u] . [w_gate; w_up]       -> dx_rows + rows_done[j]
+//                                                                               (push) or the owners'
+//                                                                               d_x slots (scatter)
+//   weight tile (kWeightGrad)         one output tile of d_w_down = dy^T act, d_w_gate = d_g^T x or
+//                                     d_w_up = d_u^T x over its expert's whole row segment
+// Every tile is computed exactly as by the standalone GEMMs (same operands from kernels/gemm/
+// gemm_operands.h, same tiles, same K order), so every gradient is bitwise the staged path's.
+#pragma once
+
+#include <cuda.h>
+
+#include "kernels/backward/reverse_combine.cuh"
+#include "kernels/fused/fused_common.cuh"
+#include "kernels/gemm/gemm_operands.h"
+#include "kernels/sched/backward_tasks.cuh"
+
+namespace pounce::fused {
+
+using sched::BackwardTask;
+using sched::BackwardTaskKind;
+using sched::WeightGradKind;
+
+inline constexpr kernels::gemm::GemmKind kActGradGemm =
+    kernels::gemm::gemm_kind(kernels::gemm::KernelKind::kDataGradActivation);
+inline constexpr kernels::gemm::GemmKind kDataGradGemm =
+    kernels::gemm::gemm_kind(kernels::gemm::KernelKind::kDataGrad);
+inline constexpr kernels::gemm::GemmKind kWeightGradGemm =
+    kernels::gemm::gemm_kind(kernels::gemm::KernelKind::kWeightGrad);
+
+// Operands (maps + arguments) of the ten GEMMs, built on the host by the standalone launchers' builders.
+struct FusedBackwardParams {
+  layout::WorkspacePointers ws;
+  kernels::GemmOperands shared_act_grad, shared_data_grad;  // unused without a shared expert
+  kernels::GemmOperands act_grad, data_grad;
+  kernels::GemmOperands weight_grad[sched::kNumWeightGrads];  // sched::WeightGradKind order
+  int32_t comm_ctas;
+  int32_t unit_blocks;  // m-blocks per minibatch
+  bool push_combine;    // true: communication CTAs push dx_rows; false: d_x epilogues scatter into slots
+};
+
+__device__ __forceinline__ int32_t n_blocks(const GroupedGemmArgs& args) {
+  return (args.n + GemmConfig::BLOCK_N - 1) / GemmConfig::BLOCK_N;
+}
+
+__device__ __forceinline__ sched::BackwardTaskShape task_shape_of(const FusedBackwardParams& p) {
+  sched::BackwardTaskShape shape;
+  sched::ForwardTaskShape& data = shape.data;
+  const bool has_shared = p.ws.shared_intermediate > 0;
+  const int32_t max_m_blocks = static_cast<int32_t>(p.ws.rows_capacity / GemmConfig::BLOCK_M);
+  const int32_t token_blocks = static_cast<int32_t>(p.ws.token_capacity / GemmConfig::BLOCK_M);
+  data.shared_m_blocks = has_shared ? min(p.ws.shared_row_offset[1] / GemmConfig::BLOCK_M, token_blocks) : 0;
+  // Beyond the capacity only with an overflowing schedule (already reported); never touch those rows.
+  data.routed_m_blocks = min(p.ws.group_row_offset[p.ws.num_local_experts] / GemmConfig::BLOCK_M, max_m_blocks);
+  data.unit_blocks = p.unit_blocks;
+  data.shared_gate_up_n = has_shared ? n_blocks(p.shared_act_grad.args) : 0;
+  data.shared_down_n = has_shared ? n_blocks(p.shared_data_grad.args) : 0;
+  data.gate_up_n = n_blocks(p.act_grad.args);
+  data.down_n = n_blocks(p.data_grad.args);
+  for (int w = 0; w < sched::kNumWeightGrads; ++w) {
+    const GroupedGemmArgs& args = p.weight_grad[w].args;
+    const bool shared = sched::is_shared(static_cast<WeightGradKind>(w));
+    shape.weight[w].groups = shared ? (has_shared ? 1 : 0) : p.ws.num_local_experts;
+    shape.weight[w].m_blocks = (args.m + GemmConfig::BLOCK_M - 1) / GemmConfig::BLOCK_M;
+    shape.weight[w].n_blocks = n_blocks(args);
+  }
+  return shape;
+}
+
+// Weight gradient of `group`: the K blocks of its row segment (rows beyond the capacity never read).
+__device__ __forceinline__ void weight_grad_k_range(const GroupedGemmArgs& args, int32_t group,
+                                                    int32_t& kb_begin, int32_t& kb_end) {
+  const int32_t limit = args.max_m_blocks * GemmConfig::BLOCK_M;
+  kb_begin = min(args.group_row_offset[group], limit) / GemmConfig::BLOCK_K;
+  kb_end = min(args.group_row_offset[group + 1], limit) / GemmConfig::BLOCK_K;
+}
+
+// Producer thread: waits for everything `task` reads. False when a wait failed (recorded).
+__device__ __forceinline__ bool wait_inputs(const FusedBackwardParams& p, const sched::BackwardTaskShape& shape,
+                                           const BackwardTask& task) {
+  const FusedCounters counters = counters_of(p.ws);
+  const uint32_t comm_ctas = static_cast<uint32_t>(p.comm_ctas);
+  auto act_grads_done = [&](bool shared, int32_t m_block) {
+    const uint32_t expected = 2u * (shared ? shape.data.shared_gate_up_n : shape.data.gate_up_n);
+    return wait_count(p.ws, counters.first_done(shared, m_block), expected, layout::WaitId::kFusedActGradDone,
+                      m_block);
+  };
+  switch (task.kind) {
+    case BackwardTaskKind::kActGrad:
+      return wait_count(p.ws, counters.rows_ready(task.unit), comm_ctas, layout::WaitId::kFusedBackwardRowsReady,
+                        task.unit);
+    case BackwardTaskKind::kSharedDataGrad:
+    case BackwardTaskKind::kDataGrad:
+      return act_grads_done(task.kind == BackwardTaskKind::kSharedDataGrad, task.m_block);
+    case BackwardTaskKind::kWeightGrad: {
+      if (task.weight == WeightGradKind::kSharedDown) return true;  // sym_d_out and the forward's act
+      const bool shared = sched::is_shared(task.weight);
+      int32_t m_begin = 0, m_end = shape.data.shared_m_blocks;
+      if (!shared) {
+        m_begin = min(p.ws.group_row_offset[task.group] / GemmConfig::BLOCK_M, shape.data.routed_m_blocks);
+        m_end = min(p.ws.group_row_offset[task.group + 1] / GemmConfig::BLOCK_M, shape.data.routed_m_blocks);
+      }
+      if (task.weight == WeightGradKind::kDown) {  // dy rows of the expert's units
+        const int32_t unit_blocks = shape.data.unit_blocks;
+        for (int32_t j = m_begin / unit_blocks; m_end > m_begin && j <= (m_end - 1) / unit_blocks; ++j) {
+          if (!wait_count(p.ws, counters.rows_ready(j), comm_ctas, layout::WaitId::kFusedBackwardRowsReady, j))
+            return false;
+        }
+        return true;
+      }
+      for (int32_t m = m_begin; m < m_end; ++m) {  // d_g, d_u of every m-block of the segment
+        if (!act_grads_done(shared, m)) return false;
+      }
+      return true;
+    }
+    case BackwardTaskKind::kSharedActGrad:  // sym_d_out, staged before the launch
+    case BackwardTaskKind::kEnd:
+      break;
+  }
+  return true;
+}
+
+// Producer thread: ticket -> task -> inputs ready -> hand to the consumers -> load its stages.
+__device__ __forceinline__ void run_backward_producer(kernels::gemm::SharedStorage& ss,
+                                                      TaskSlots<BackwardTask>& slots,
+                                                      const FusedBackwardParams& p) {
+  const FusedCounters counters = counters_of(p.ws);
+  const sched::BackwardTaskShape shape = task_shape_of(p);
+  sched::BackwardTaskCursor cursor(shape);
+  kernels::gemm::RingPosition ring;
+  for (uint32_t i = 0;; ++i) {
+    BackwardTask task{BackwardTaskKind::kEnd, 0, 0, 0, 0, WeightGradKind::kSharedDown};
+    // After a failure anywhere, no new tile (tiles without inputs to wait on would never notice).
+    const bool stop = aborted(p.ws);
+    const int32_t ticket = stop ? 0 : static_cast<int32_t>(atomicAdd(counters.ticket(), 1u));
+    if (!stop && cursor.at(ticket, task)) {
+      if (!wait_inputs(p, shape, task)) task.kind = BackwardTaskKind::kEnd;
+      kernels::ptx::fence_proxy_async_global();  // rows other CTAs stored, read by TMA below
+    }
+    if (!hand_over(p.ws, slots, i, task) || task.kind == BackwardTaskKind::kEnd) return;
+
+    bool ok = true;
+    auto produce = [&](auto kind_tag, const kernels::GemmOperands& o, int32_t group, int32_t kb_begin,
+                       int32_t kb_end) {
+      constexpr kernels::gemm::GemmKind kKind = decltype(kind_tag)::value;
+      const kernels::gemm::Tile tile{task.m_block, task.n_block, group};
+      ok = kernels::gemm::produce_tile<kKind>(ss, ring, o.a, o.b0, o.b1, o.args, tile, kb_begin, kb_end);
+    };
+    switch (task.kind) {
+      case BackwardTaskKind::kSharedActGrad:
+        produce(GemmTag<kActGradGemm>{}, p.shared_act_grad, 0, 0, k_blocks(p.shared_act_grad.args));
+        break;
+      case BackwardTaskKind::kSharedDataGrad:
+        produce(GemmTag<kDataGradGemm>{}, p.shared_data_grad, 0, 0, k_blocks(p.shared_data_grad.args));
+        break;
+      case BackwardTaskKind::kActGrad:
+        produce(GemmTag<kActGradGemm>{}, p.act_grad, expert_of_block(p.ws, task.m_block), 0,
+                k_blocks(p.act_grad.args));
+        break;
+      case BackwardTaskKind::kDataGrad:
+        produce(GemmTag<kDataGradGemm>{}, p.data_grad, expert_of_block(p.ws, task.m_block), 0,
+                k_blocks(p.data_grad.args));
+        break;
+      case BackwardTaskKind::kWeightGrad: {
+        const kernels::GemmOperands& o = p.weight_grad[static_cast<int>(task.weight)];
+        int32_t kb_begin, kb_end;
+        weight_grad_k_range(o.args, task.group, kb_begin, kb_end);
+        produce(GemmTag<kWeightGradGemm>{}, o, task.group, kb_begin, kb_end);
+        break;
+      }
+      case BackwardTaskKind::kEnd:
+        break;
+    }
+    if (!ok) {
+      fail(p.ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 0, 1);
+      return;
+    }
+  }
+}
+
+// Consumer warpgroup: task -> mainloop + epilogue -> count the tile done (one count per warpgroup).
+__device__ __forceinline__ void run_backward_consumer(kernels::gemm::SharedStorage& ss,
+                                                      TaskSlots<BackwardTask>& slots,
+                                                      const FusedBackwardParams& p, int consumer_idx) {
+  const FusedCounters counters = counters_of(p.ws);
+  kernels::gemm::RingPosition ring;
+  float acc[128];
+  for (uint32_t i = 0;; ++i) {
+    BackwardTask task;
+    if (!take_over(p.ws, slots, i, task) || task.kind == BackwardTaskKind::kEnd) return;
+
+    const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};
+    bool ok = true;
+    uint32_t* done = nullptr;
+    switch (task.kind) {
+      case BackwardTaskKind::kSharedActGrad:
+        ok = kernels::gemm::consume_tile<kActGradGemm>(ss, ring, p.shared_act_grad.args, tile, 0,
+                                                       k_blocks(p.shared_act_grad.args), consumer_idx, acc);
+        done = counters.first_done(true, task.m_block);
+        break;
+      case BackwardTaskKind::kActGrad:
+        ok = kernels::gemm::consume_tile<kActGradGemm>(ss, ring, p.act_grad.args, tile, 0,
+                                                       k_blocks(p.act_grad.args), consumer_idx, acc);
+        done = counters.first_done(false, task.m_block);
+        break;
+      case BackwardTaskKind::kSharedDataGrad:
+        ok = kernels::gemm::consume_tile<kDataGradGemm>(ss, ring, p.shared_data_grad.args, tile, 0,
+                                                        k_blocks(p.shared_data_grad.args), consumer_idx, acc);
+        break;
+      case BackwardTaskKind::kDataGrad:
+        ok = kernels::gemm::multiply_tile<kDataGradGemm>(ss, ring, p.data_grad.args, 0,
+                                                         k_blocks(p.data_grad.args), consumer_idx, acc);
+        if (!ok) break;
+        if (p.push_combine) {
+          kernels::gemm::store_tile<kDataGradGemm>(acc, p.data_grad.args, tile, true, consumer_idx);
+          done = counters.rows_done(task.unit);
+        } else {
+          store_tile_to_slots(acc, p.ws, p.ws.sym_dx_slots, p.data_grad.args.n, task.m_block, task.n_block,
+                              consumer_idx);
+        }
+        break;
+      case BackwardTaskKind::kWeightGrad: {
+        const GroupedGemmArgs& args = p.weight_grad[static_cast<int>(task.weight)].args;
+        int32_t kb_begin, kb_end;
+        weight_grad_k_range(args, task.group, kb_begin, kb_end);
+        ok = kernels::gemm::consume_tile<kWeightGradGemm>(ss, ring, args, tile, kb_begin, kb_end, consumer_idx,
+                                                          acc);
+        break;
+      }
+      case BackwardTaskKind::kEnd:
+        break;
+    }
+    if (!ok) {
+      fail(p.ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 1, 0);
+      return;
+    }
+    if (done != nullptr) count_tile_stored(done, consumer_idx);
+  }
+}
+
+__global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
+    fused_backward_kernel(const __grid_constant__ FusedBackwardParams params) {
+  extern __shared__ uint8_t smem_raw[];
+  const uintptr_t smem_base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
+  kernels::gemm::SharedStorage& ss = *reinterpret_cast<kernels::gemm::SharedStorage*>(smem_base);
+  __shared__ TaskSlots<BackwardTask> slots;
+
+  const int32_t role = start_cta(params.ws, params.comm_ctas, ss, slots);
+  if (role < params.comm_ctas) {
+    const layout::WorkspacePointers& ws = params.ws;
+    CommunicationPlan plan;
+    plan.shape = task_shape_of(params).data;
+    plan.comm_ctas = params.comm_ctas;
+    plan.push_combine = params.push_combine;
+    plan.second_tiles_per_block = 2u * plan.shape.down_n;
+    plan.rows_done_wait = layout::WaitId::kFusedBackwardRowsDone;
+    run_communication(
+        ws, slots.go, plan, role, [&](int64_t row) { reverse_combine::pull_scaled_row<4>(ws, row); },
+        [&](int64_t row) { combine::push_row<8>(ws, ws.dx_rows, ws.sym_dx_slots, row); });
+    return;
+  }
+  const int warpgroup_idx = threadIdx.x / 128;
+  if (warpgroup_idx == 0) {
+    kernels::ptx::setmaxnreg_dec<GemmConfig::kProducerRegs>();
+    if (threadIdx.x == 0) run_backward_producer(ss, slots, params);
+  } else {
+    kernels::ptx::setmaxnreg_inc<GemmConfig::kConsumerRegs>();
+    run_backward_consumer(ss, slots, params, warpgroup_idx - 1);
+  }
+}
+
+}  // namespace pounce::fused

@@ -1,0 +1,258 @@
+// What the fused kernels (fused_forward.cuh, fused_backward.cuh) share: the GPU-scope counters and their
+// bounded waits, the per-CTA task handoff, the communication CTAs' pull/push loop and the scatter epilogue.
+//
+// Both kernels run the same shape of work (DESIGN.md §2): per minibatch ("unit") of routed m-blocks, the
+// communication CTAs pull rows from the token owners (forward: x; backward: w * d_out), a first GEMM
+// (gate/up; d_a with the activation backward) and a second GEMM that reads the first one's output of the
+// same m-block (down; d_x), then the second GEMM's rows go back to the owners' (token, slot) slots, pushed
+// by the communication CTAs or scattered by the second GEMM's epilogue.
+//
+// Counters (ws.fused_counters, zeroed before every launch; layout::kFused* header):
+//   rows_ready[j]           routed unit j's rows pulled: +1 per communication CTA
+//   rows_done[j]            unit j's second-GEMM tiles stored: +1 per consumer warpgroup (push combine only)
+//   first_done(shared, m)   m-block m's first-GEMM tiles stored: +1 per consumer warpgroup
+// Writers release at GPU scope after their stores (and fence.proxy.async, since TMA reads the rows); readers
+// acquire, then fence.proxy.async before their TMA loads. Every wait is bounded, gives up at once when
+// another CTA failed (the abort word), and names itself in the error record.
+#pragma once
+
+#include <cuda.h>
+
+#include "kernels/combine/combine.cuh"
+#include "kernels/common/flags.cuh"
+#include "kernels/gemm/grouped_gemm_kernel.cuh"
+#include "kernels/layout/workspace_layout.cuh"
+#include "kernels/sched/forward_tasks.cuh"
+
+namespace pounce::fused {
+
+using kernels::gemm::GemmConfig;
+using kernels::gemm::GroupedGemmArgs;
+inline constexpr int kWarps = GemmConfig::kNumThreads / 32;
+
+// A GEMM kind as a type, for generic lambdas that pick the mainloop's instantiation.
+template <kernels::gemm::GemmKind kKind>
+struct GemmTag {
+  static constexpr kernels::gemm::GemmKind value = kKind;
+};
+
+struct FusedCounters {
+  uint32_t* base;
+  int64_t max_m_blocks, token_blocks;
+  __device__ uint32_t* ticket() const { return base + layout::kFusedTicket; }
+  __device__ uint32_t* role() const { return base + layout::kFusedRole; }
+  __device__ uint32_t* abort() const { return base + layout::kFusedAbort; }
+  __device__ uint32_t* rows_ready(int32_t j) const { return base + layout::kFusedHeaderWords + j; }
+  __device__ uint32_t* rows_done(int32_t j) const {
+    return base + layout::kFusedHeaderWords + max_m_blocks + j;
+  }
+  __device__ uint32_t* first_done(bool shared, int32_t m_block) const {
+    return base + layout::kFusedHeaderWords + 2 * max_m_blocks + (shared ? 0 : token_blocks) + m_block;
+  }
+};
+
+__device__ __forceinline__ FusedCounters counters_of(const layout::WorkspacePointers& ws) {
+  return {ws.fused_counters, ws.rows_capacity / GemmConfig::BLOCK_M, ws.token_capacity / GemmConfig::BLOCK_M};
+}
+
+// Per-CTA handoff state beside the GEMM's stage ring: the producer thread hands each task to the two
+// consumer warpgroups through a two-slot mbarrier ring.
+template <typename TaskT>
+struct TaskSlots {
+  TaskT task[2];
+  uint64_t full[2];   // producer -> consumers: task[s] written (1 arrival)
+  uint64_t empty[2];  // consumers -> producer: task[s] read by all 8 consumer warps
+  int32_t role;
+  int32_t go;  // communication CTAs: thread 0's decision, broadcast
+};
+
+// Any failure: record it (first one wins) and make every other wait of the kernel give up at once.
+__device__ __forceinline__ void fail(const layout::WorkspacePointers& ws, layout::WaitId which, int64_t index,
+                                     int64_t expected, int64_t observed) {
+  flags::record_error(ws, layout::DeviceErrorCode::kWaitTimeout, static_cast<int32_t>(which),
+                      static_cast<int32_t>(index), expected, observed);
+  atomicExch(counters_of(ws).abort(), 1u);
+}
+
+__device__ __forceinline__ bool wait_count(const layout::WorkspacePointers& ws, const uint32_t* count,
+                                           uint32_t expected, layout::WaitId which, int64_t index) {
+  const uint32_t* abort = counters_of(ws).abort();
+  const uint32_t observed = flags::wait_count_gpu(count, expected, abort, ws.timeout_ns);
+  if (observed >= expected) return true;
+  if (flags::ld_relaxed_gpu(abort) == 0) fail(ws, which, index, expected, observed);
+  return false;
+}
+
+__device__ __forceinline__ bool aborted(const layout::WorkspacePointers& ws) {
+  return flags::ld_relaxed_gpu(counters_of(ws).abort()) != 0;
+}
+
+// Thread 0's `decision` (only thread 0's argument counts), known to every thread of the CTA afterwards: a
+// communication CTA branches as one, so no thread is left behind at a later __syncthreads.
+__device__ __forceinline__ bool cta_broadcast(int32_t& go, bool decision) {
+  if (threadIdx.x == 0) go = decision ? 1 : 0;
+  __syncthreads();
+  const bool value = go == 1;
+  __syncthreads();  // go is written again by the next decision
+  return value;
+}
+
+// K blocks of every tile of a row-grouped GEMM (the whole reduction).
+__device__ __forceinline__ int32_t k_blocks(const GroupedGemmArgs& args) {
+  return args.k / GemmConfig::BLOCK_K;
+}
+
+// The expert owning routed m-block `m_block`: the first e with group_row_offset[e + 1] > its first row.
+__device__ __forceinline__ int32_t expert_of_block(const layout::WorkspacePointers& ws, int32_t m_block) {
+  const int32_t row = m_block * GemmConfig::BLOCK_M;
+  int32_t lo = 0, hi = ws.num_local_experts - 1;
+  while (lo < hi) {
+    const int32_t mid = (lo + hi) / 2;
+    if (ws.group_row_offset[mid + 1] <= row)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+// The routed units of one call, as the communication CTAs see them.
+struct CommunicationPlan {
+  sched::ForwardTaskShape shape;  // routed_m_blocks, unit_blocks
+  int32_t comm_ctas;
+  bool push_combine;
+  uint32_t second_tiles_per_block;  // rows_done[j] reaches this times the unit's m-blocks
+  layout::WaitId rows_done_wait;
+};
+
+// Communication CTA `comm_idx`: pulls routed unit 0, 1, ... (`pull_row(row)`, one warp per row, every
+// communication warp a strided share of every unit), bumping rows_ready[j] after each; with the push
+// combine it also pushes (`push_row(row)`) every unit whose second-GEMM tiles are all stored, between pulls
+// and after the last one.
+template <typename PullRow, typename PushRow>
+__device__ __forceinline__ void run_communication(const layout::WorkspacePointers& ws, int32_t& go,
+                                                  const CommunicationPlan& plan, int32_t comm_idx,
+                                                  PullRow&& pull_row, PushRow&& push_row) {
+  const FusedCounters counters = counters_of(ws);
+  const sched::ForwardTaskShape& shape = plan.shape;
+  const int32_t num_units = shape.routed_units();
+  const int64_t warp = static_cast<int64_t>(comm_idx) * kWarps + threadIdx.x / 32;
+  const int64_t num_warps = static_cast<int64_t>(plan.comm_ctas) * kWarps;
+  auto for_my_rows = [&](int32_t j, auto&& body) {
+    const int64_t first = static_cast<int64_t>(j) * shape.unit_blocks * GemmConfig::BLOCK_M;
+    const int64_t end = first + static_cast<int64_t>(shape.routed_blocks(j)) * GemmConfig::BLOCK_M;
+    for (int64_t row = first + warp; row < end; row += num_warps) body(row);
+  };
+  // Thread 0 decides whether unit j's second-GEMM tiles are all stored (waiting for it when `block`).
+  auto rows_done = [&](int32_t j, bool block) {
+    bool ready = false;
+    if (threadIdx.x == 0) {
+      const uint32_t expected = plan.second_tiles_per_block * shape.routed_blocks(j);
+      const uint32_t* done = counters.rows_done(j);
+      ready = block ? wait_count(ws, done, expected, plan.rows_done_wait, j) : flags::ld_acquire_gpu(done) >= expected;
+    }
+    return cta_broadcast(go, ready);
+  };
+
+  int32_t next_push = 0;
+  for (int32_t j = 0; j < num_units; ++j) {
+    for_my_rows(j, pull_row);
+    __syncthreads();  // this CTA's share of unit j has landed
+    if (threadIdx.x == 0) {
+      kernels::ptx::fence_proxy_async_global();
+      flags::red_release_gpu_add(counters.rows_ready(j), 1u);
+    }
+    if (!plan.push_combine) continue;
+    // Push what is finished already; pulling the next unit comes first otherwise.
+    while (next_push <= j && rows_done(next_push, /*block=*/false)) for_my_rows(next_push++, push_row);
+    if (cta_broadcast(go, threadIdx.x == 0 && aborted(ws))) return;
+  }
+  if (!plan.push_combine) return;
+  while (next_push < num_units) {
+    if (!rows_done(next_push, /*block=*/true)) return;
+    for_my_rows(next_push++, push_row);
+  }
+}
+
+// Scatter epilogue of a second-GEMM tile: row r of the tile belongs to schedule[r] = (src_rank, src_token,
+// slot); its bf16 values go straight to peer(src_rank)'s slot region `sym_slots` at (src_token, slot)
+// (padding rows nowhere), packed as every bf16 epilogue packs.
+__device__ __forceinline__ void store_tile_to_slots(const float (&acc)[128], const layout::WorkspacePointers& ws,
+                                                    int64_t sym_slots, int32_t n, int32_t m_block,
+                                                    int32_t n_block, int consumer_idx) {
+  const int64_t row = kernels::gemm::tile_row(m_block, consumer_idx);
+  __nv_bfloat16* row_base[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const layout::ScheduleEntry entry = ws.schedule[row + 8 * h];
+    row_base[h] = entry.src_rank < 0 ? nullptr : combine::slot_row<__nv_bfloat16>(ws, sym_slots, entry);
+  }
+  kernels::gemm::store_rows_bf16(acc, row_base, n, n_block * GemmConfig::BLOCK_N,
+                                 static_cast<int>(threadIdx.x % 32));
+}
+
+// Every store of this consumer warpgroup's 64 rows of a tile, then one release of `count`.
+__device__ __forceinline__ void count_tile_stored(uint32_t* count, int consumer_idx) {
+  kernels::ptx::named_barrier_sync(1 + consumer_idx, 128);
+  if (threadIdx.x % 128 == 0) {
+    kernels::ptx::fence_proxy_async_global();
+    flags::red_release_gpu_add(count, 1u);
+  }
+}
+
+// Kernel start: thread 0 takes this CTA's role by arrival; a compute CTA (role >= comm_ctas) initialises
+// the stage ring and the task slots. Returns the role, known to every thread.
+template <typename TaskT>
+__device__ __forceinline__ int32_t start_cta(const layout::WorkspacePointers& ws, int32_t comm_ctas,
+                                             kernels::gemm::SharedStorage& ss, TaskSlots<TaskT>& slots) {
+  if (threadIdx.x == 0) {
+    slots.role = static_cast<int32_t>(atomicAdd(counters_of(ws).role(), 1u));
+    if (slots.role >= comm_ctas) {
+#pragma unroll
+      for (int s = 0; s < GemmConfig::kNumStages; ++s) {
+        kernels::ptx::mbarrier_init(&ss.full[s], 1);
+        kernels::ptx::mbarrier_init(&ss.empty[s], 4 * GemmConfig::kNumConsumerWarpgroups);
+      }
+      for (int s = 0; s < 2; ++s) {
+        kernels::ptx::mbarrier_init(&slots.full[s], 1);
+        kernels::ptx::mbarrier_init(&slots.empty[s], 4 * GemmConfig::kNumConsumerWarpgroups);
+      }
+      kernels::ptx::fence_mbarrier_init();
+    }
+  }
+  __syncthreads();
+  return slots.role;
+}
+
+// Producer side of the handoff: waits until slot i % 2 is free, writes the task, arrives. False (recorded)
+// when the consumers never freed it: writing it would flip a phase they have not seen.
+template <typename TaskT>
+__device__ __forceinline__ bool hand_over(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
+                                          uint32_t i, const TaskT& task) {
+  const uint32_t s = i % 2;
+  if (!kernels::ptx::mbarrier_wait_parity_bounded(&slots.empty[s], ((i / 2) & 1) ^ 1, ws.timeout_ns)) {
+    fail(ws, layout::WaitId::kFusedTaskHandoff, s, 1, 0);
+    return false;
+  }
+  slots.task[s] = task;
+  kernels::ptx::mbarrier_arrive(&slots.full[s]);
+  return true;
+}
+
+// Consumer side: waits for task i, copies it, frees the slot (one arrival per warp).
+template <typename TaskT>
+__device__ __forceinline__ bool take_over(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
+                                          uint32_t i, TaskT& task) {
+  const uint32_t s = i % 2;
+  const uint64_t handoff_timeout = 2 * ws.timeout_ns;  // the producer may wait out one timeout first
+  if (!kernels::ptx::mbarrier_wait_parity_bounded(&slots.full[s], (i / 2) & 1, handoff_timeout)) {
+    fail(ws, layout::WaitId::kFusedTaskHandoff, s, 1, 0);
+    return false;
+  }
+  task = slots.task[s];
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) kernels::ptx::mbarrier_arrive(&slots.empty[s]);
+  return true;
+}
+
+}  // namespace pounce::fused

@@ -1,0 +1,120 @@
+// The fused backward (DESIGN.md §2, issue #5): the shared prologue (stage d_out and the router weights,
+// router gradient, inputs barrier), then ONE persistent kernel for the reverse-combine pull, the shared
+// expert's backward, d_a + activation backward, d_x, the reverse-dispatch push and every weight gradient
+// (kernels/fused/fused_backward.cuh), then the combine barrier and the d_x sum. Stream-ordered, nothing
+// allocated, no routing count read on the host: capturable like the staged chain.
+//
+// The communication CTAs, the combine (push or scatter) and the minibatch size follow the fused forward's
+// heuristic (src/gpu/fused_forward.cu): the d_x GEMM (N = H, K = 2I) stands where the down GEMM
+// (N = H, K = I) stands in the forward, with the same row counts and transfer sizes.
+// config.backward_comm_sms and minibatch_size override; POUNCE_FUSED_COMBINE=push|scatter overrides the
+// combine here too.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+
+#include "kernels/fused/fused_backward.cuh"
+#include "src/gpu/gpu_state.h"
+#include "src/gpu/mlp_backward.h"
+#include "src/gpu/stage_timer.h"
+
+namespace pounce::gpu {
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr size_t kFusedSharedBytes = kernels::gemm::kSharedBytes;
+
+// The opt-in shared-memory limit, once per device.
+void set_fused_backward_shared_limit(int device) {
+  static std::array<std::atomic<bool>, kMaxDevices> ready{};
+  POUNCE_CHECK(device >= 0 && device < kMaxDevices, "device index ", device, " beyond ", kMaxDevices);
+  if (ready[device].load(std::memory_order_acquire)) return;
+  POUNCE_CUDA(cudaFuncSetAttribute(fused::fused_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   static_cast<int>(kFusedSharedBytes)));
+  ready[device].store(true, std::memory_order_release);
+}
+
+// The operands of m's five GEMMs, exactly as the staged path's launchers build them for all groups at once.
+struct MlpOperands {
+  kernels::GemmOperands act_grad, data_grad;
+  kernels::GemmOperands down, gate, up;  // weight gradients
+};
+
+MlpOperands mlp_operands(const MlpBackward& m, int64_t H, const kernels::ActivationParams& activation,
+                         bool accumulate, int32_t* error_flag) {
+  const int64_t I = m.intermediate;
+  void* d_u = static_cast<char*>(m.d_gu) + I * 2;
+  MlpOperands o;
+  o.act_grad = kernels::activation_backward_operands(m.rows, m.dy, m.weights.down.data, m.g, m.u, m.d_gu, d_u,
+                                                     2 * I, I, H, activation);
+  o.data_grad = kernels::transposed_operands(m.rows, m.d_gu, m.weights.gate.data, m.weights.up.data, I, m.dx,
+                                             H, 2 * I);
+  o.down = kernels::weight_grad_operands(m.rows, m.dy, H, H, m.act, I, I, m.grads->down.data,
+                                         weight_grad_mode(m.grads->down, accumulate));
+  o.gate = kernels::weight_grad_operands(m.rows, m.d_gu, 2 * I, I, m.x, H, H, m.grads->gate.data,
+                                         weight_grad_mode(m.grads->gate, accumulate));
+  o.up = kernels::weight_grad_operands(m.rows, d_u, 2 * I, I, m.x, H, H, m.grads->up.data,
+                                       weight_grad_mode(m.grads->up, accumulate));
+  for (kernels::GemmOperands* g : {&o.act_grad, &o.data_grad, &o.down, &o.gate, &o.up})
+    g->args.error_flag = error_flag;
+  return o;
+}
+
+}  // namespace
+
+void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream) {
+  DeviceGuard guard(workspace.device);
+  const layout::WorkspacePointers p = workspace.pointers();
+  const int64_t H = p.hidden, I = p.intermediate, Is = p.shared_intermediate;
+  POUNCE_CHECK(H % 64 == 0 && I % 64 == 0 && Is % 64 == 0,
+               "the fused kernel needs hidden, intermediate and shared_intermediate multiples of 64 (got ", H,
+               ", ", I, ", ", Is, "); fix: pad the weights");
+  // Communication CTAs are the first to start; with every SM one of them no tile would ever run.
+  POUNCE_CHECK(workspace.num_sms >= 2, "the fused kernel needs at least 2 SMs (device ", workspace.device,
+               " has ", workspace.num_sms, "); use Config::kernel_path = KernelPath::kStaged");
+  set_fused_backward_shared_limit(workspace.device);
+  StageTimer timer("backward", p.rank, stream);
+  // The operands are built (and checked) before the prologue queues anything: a refusal after it would
+  // leave the peers at the combine barrier.
+  int32_t* gemm_error = reinterpret_cast<int32_t*>(p.fused_counters + layout::kFusedGemmError);
+  const kernels::ActivationParams activation = activation_params(workspace.config.activation);
+  const MlpOperands routed =
+      mlp_operands(routed_mlp_backward(p, args, 0), H, activation, args.accumulate_weight_grads, gemm_error);
+  const MlpOperands shared = Is > 0 ? mlp_operands(shared_mlp_backward(p, args, 0), H, activation,
+                                                   args.accumulate_weight_grads, gemm_error)
+                                    : routed;  // never read: the task list has no shared tiles
+
+  fused::FusedBackwardParams params{};
+  params.ws = p;
+  params.shared_act_grad = shared.act_grad;
+  params.shared_data_grad = shared.data_grad;
+  params.act_grad = routed.act_grad;
+  params.data_grad = routed.data_grad;
+  using sched::WeightGradKind;
+  auto weight = [&](WeightGradKind kind) -> kernels::GemmOperands& {
+    return params.weight_grad[static_cast<int>(kind)];
+  };
+  weight(WeightGradKind::kSharedDown) = shared.down;
+  weight(WeightGradKind::kSharedGate) = shared.gate;
+  weight(WeightGradKind::kSharedUp) = shared.up;
+  weight(WeightGradKind::kDown) = routed.down;
+  weight(WeightGradKind::kGate) = routed.gate;
+  weight(WeightGradKind::kUp) = routed.up;
+  params.push_combine = fused_push_combine(workspace);
+  params.comm_ctas = fused_comm_ctas(workspace, params.push_combine, workspace.config.backward_comm_sms);
+  params.unit_blocks = fused_unit_blocks(workspace, params.push_combine);
+
+  const BackwardLaunch launch = launch_backward_prologue(workspace, args, timer, stream);
+  // Counters start at zero every call (a memset node in a captured graph).
+  POUNCE_CUDA(
+      cudaMemsetAsync(p.fused_counters, 0, workspace.layout.fused_counter_words * sizeof(uint32_t), stream));
+  fused::fused_backward_kernel<<<workspace.num_sms, kernels::gemm::GemmConfig::kNumThreads, kFusedSharedBytes,
+                                 stream>>>(params);
+  POUNCE_CUDA(cudaGetLastError());
+  timer.mark("fused");
+  launch_backward_epilogue(workspace, args, launch, timer, stream);
+}
+
+}  // namespace pounce::gpu

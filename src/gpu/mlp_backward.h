@@ -1,0 +1,68 @@
+// The MLP backward of one set of experts, as both backward paths describe it (src/gpu/staged_backward.cu
+// launches its GEMMs one by one, src/gpu/fused_backward.cu hands their operands to the fused kernel):
+//   [d_g, d_u] = act'(g, u) * (dy . w_down)      d_x = [d_g, d_u] . [w_gate; w_up]
+//   d_w_down = dy^T act    d_w_gate = d_g^T x    d_w_up = d_u^T x
+// on expert-grouped rows: routed, El groups of received rows; shared, one group of the rank's own rows.
+#pragma once
+
+#include "kernels/gemm/grouped_gemm.h"
+#include "src/gpu/gpu_state.h"
+
+namespace pounce::gpu {
+
+struct MlpBackward {
+  kernels::GroupedRows rows;
+  int64_t intermediate;
+  const void *x, *dy, *g, *u, *act;  // [rows][H], [rows][H], [rows][I] x3
+  void *d_gu, *dx;                   // [rows][2I] (d_g then d_u), [rows][H]
+  ExpertWeights weights;             // [groups, ., .] (the shared expert's 2-D weights as one group)
+  const ExpertWeights* grads;
+};
+
+inline kernels::WeightGradMode weight_grad_mode(const TensorView& grad, bool accumulate) {
+  if (accumulate) return kernels::WeightGradMode::kAccumulateF32;
+  return grad.dtype == DType::kFP32 ? kernels::WeightGradMode::kStoreF32 : kernels::WeightGradMode::kStoreBf16;
+}
+
+// The shared expert's [1, Is, H] / [1, H, Is] view of its 2-D weights, so expert_slice applies.
+inline ExpertWeights as_one_expert(const ExpertWeights& w) {
+  ExpertWeights one = w;
+  for (TensorView* t : {&one.gate, &one.up, &one.down}) {
+    if (t->shape.size() == 2) t->shape.insert(t->shape.begin(), 1);
+  }
+  return one;
+}
+
+// The shared expert on this rank's own rows: sym_x and sym_d_out, T padded to 128 with zero rows.
+inline MlpBackward shared_mlp_backward(const layout::WorkspacePointers& p, const BackwardArgs& args,
+                                       int max_ctas) {
+  return {{p.token_capacity, p.shared_row_offset, 1, max_ctas},
+          p.shared_intermediate,
+          p.local_sym<const void>(p.sym_x),
+          p.local_sym<const void>(p.sym_d_out),
+          p.shared_g,
+          p.shared_u,
+          p.shared_act,
+          p.shared_d_gu,
+          p.shared_dx,
+          as_one_expert(args.inputs.shared),
+          &args.d_shared};
+}
+
+// The routed experts on the received rows of the forward context (dy pulled by the reverse-combine).
+inline MlpBackward routed_mlp_backward(const layout::WorkspacePointers& p, const BackwardArgs& args,
+                                       int max_ctas) {
+  return {{p.rows_capacity, p.group_row_offset, p.num_local_experts, max_ctas},
+          p.intermediate,
+          p.x_rows,
+          p.dy_rows,
+          p.g_rows,
+          p.u_rows,
+          p.act_rows,
+          p.d_gu_rows,
+          p.dx_rows,
+          args.inputs.routed,
+          &args.d_routed};
+}
+
+}  // namespace pounce::gpu
