@@ -84,107 +84,120 @@ __device__ __forceinline__ void weight_grad_k_range(const GroupedGemmArgs& args,
   kb_end = min(args.group_row_offset[group + 1], limit) / GemmConfig::BLOCK_K;
 }
 
-// Producer thread: waits for everything `task` reads. False when a wait failed (recorded).
-__device__ __forceinline__ bool wait_inputs(const FusedBackwardParams& p, const sched::BackwardTaskShape& shape,
-                                           const BackwardTask& task) {
-  const FusedCounters counters = counters_of(p.ws);
-  const uint32_t comm_ctas = static_cast<uint32_t>(p.comm_ctas);
-  auto act_grads_done = [&](bool shared, int32_t m_block) {
+// Scheduler thread: ticket -> task -> everything it reads ready (kEnd past the list, on a failure or an
+// abort). Weight-gradient tiles come in runs of one expert's tiles, so the last dependency check is
+// remembered: tiles after the first of a run start at once.
+struct BackwardScheduler {
+  const FusedBackwardParams& p;
+  sched::BackwardTaskShape shape;
+  sched::BackwardTaskCursor cursor;
+  int32_t checked_weight = -1;  // the (weight kind, group) whose inputs were last found ready
+  int32_t checked_group = -1;
+  bool all_rows_ready = false;  // the last routed unit pulled: every unit is (each CTA pulls in order)
+
+  __device__ explicit BackwardScheduler(const FusedBackwardParams& params)
+      : p(params), shape(task_shape_of(params)), cursor(shape) {}
+
+  __device__ bool act_grads_done(bool shared, int32_t m_block) const {
     const uint32_t expected = 2u * (shared ? shape.data.shared_gate_up_n : shape.data.gate_up_n);
-    return wait_count(p.ws, counters.first_done(shared, m_block), expected, layout::WaitId::kFusedActGradDone,
-                      m_block);
-  };
-  switch (task.kind) {
-    case BackwardTaskKind::kActGrad:
-      return wait_count(p.ws, counters.rows_ready(task.unit), comm_ctas, layout::WaitId::kFusedBackwardRowsReady,
-                        task.unit);
-    case BackwardTaskKind::kSharedDataGrad:
-    case BackwardTaskKind::kDataGrad:
-      return act_grads_done(task.kind == BackwardTaskKind::kSharedDataGrad, task.m_block);
-    case BackwardTaskKind::kWeightGrad: {
-      if (task.weight == WeightGradKind::kSharedDown) return true;  // sym_d_out and the forward's act
-      const bool shared = sched::is_shared(task.weight);
-      int32_t m_begin = 0, m_end = shape.data.shared_m_blocks;
-      if (!shared) {
-        m_begin = min(p.ws.group_row_offset[task.group] / GemmConfig::BLOCK_M, shape.data.routed_m_blocks);
-        m_end = min(p.ws.group_row_offset[task.group + 1] / GemmConfig::BLOCK_M, shape.data.routed_m_blocks);
+    return wait_count(p.ws, counters_of(p.ws).first_done(shared, m_block), expected,
+                      layout::WaitId::kFusedActGradDone, m_block);
+  }
+  __device__ bool rows_ready(int32_t j) const {
+    return wait_count(p.ws, counters_of(p.ws).rows_ready(j), static_cast<uint32_t>(p.comm_ctas),
+                      layout::WaitId::kFusedBackwardRowsReady, j);
+  }
+
+  // Inputs of one weight-gradient tile: dy of the expert's units (down) or d_g, d_u of its m-blocks.
+  __device__ bool weight_grad_inputs(const BackwardTask& task) {
+    const int32_t kind = static_cast<int32_t>(task.weight);
+    if (kind == checked_weight && task.group == checked_group) return true;
+    if (task.weight == WeightGradKind::kSharedDown) return true;  // sym_d_out and the forward's act
+    const bool shared = sched::is_shared(task.weight);
+    int32_t m_begin = 0, m_end = shape.data.shared_m_blocks;
+    if (!shared) {
+      m_begin = min(p.ws.group_row_offset[task.group] / GemmConfig::BLOCK_M, shape.data.routed_m_blocks);
+      m_end = min(p.ws.group_row_offset[task.group + 1] / GemmConfig::BLOCK_M, shape.data.routed_m_blocks);
+    }
+    if (task.weight == WeightGradKind::kDown) {
+      const int32_t units = shape.data.routed_units();
+      if (!all_rows_ready && units > 0 &&
+          flags::ld_acquire_gpu(counters_of(p.ws).rows_ready(units - 1)) >= static_cast<uint32_t>(p.comm_ctas))
+        all_rows_ready = true;
+      const int32_t unit_blocks = shape.data.unit_blocks;
+      for (int32_t j = m_begin / unit_blocks; !all_rows_ready && m_end > m_begin && j <= (m_end - 1) / unit_blocks;
+           ++j) {
+        if (!rows_ready(j)) return false;
       }
-      if (task.weight == WeightGradKind::kDown) {  // dy rows of the expert's units
-        const int32_t unit_blocks = shape.data.unit_blocks;
-        for (int32_t j = m_begin / unit_blocks; m_end > m_begin && j <= (m_end - 1) / unit_blocks; ++j) {
-          if (!wait_count(p.ws, counters.rows_ready(j), comm_ctas, layout::WaitId::kFusedBackwardRowsReady, j))
-            return false;
-        }
-        return true;
-      }
-      for (int32_t m = m_begin; m < m_end; ++m) {  // d_g, d_u of every m-block of the segment
+    } else {
+      for (int32_t m = m_begin; m < m_end; ++m) {
         if (!act_grads_done(shared, m)) return false;
       }
-      return true;
     }
-    case BackwardTaskKind::kSharedActGrad:  // sym_d_out, staged before the launch
+    checked_weight = kind;
+    checked_group = task.group;
+    return true;
+  }
+
+  __device__ void operator()(BackwardTask& task) {
+    task = BackwardTask{BackwardTaskKind::kEnd, 0, 0, 0, 0, WeightGradKind::kSharedDown};
+    // After a failure anywhere, no new tile (tiles without inputs to wait on would never notice).
+    if (aborted(p.ws)) return;
+    const int32_t ticket = static_cast<int32_t>(atomicAdd(counters_of(p.ws).ticket(), 1u));
+    if (!cursor.at(ticket, task)) {
+      task.kind = BackwardTaskKind::kEnd;
+      return;
+    }
+    bool ready = true;
+    switch (task.kind) {
+      case BackwardTaskKind::kActGrad:
+        ready = rows_ready(task.unit);
+        break;
+      case BackwardTaskKind::kSharedDataGrad:
+      case BackwardTaskKind::kDataGrad:
+        ready = act_grads_done(task.kind == BackwardTaskKind::kSharedDataGrad, task.m_block);
+        break;
+      case BackwardTaskKind::kWeightGrad:
+        ready = weight_grad_inputs(task);
+        break;
+      case BackwardTaskKind::kSharedActGrad:  // sym_d_out, staged before the launch
+      case BackwardTaskKind::kEnd:
+        break;
+    }
+    if (!ready) task.kind = BackwardTaskKind::kEnd;
+  }
+};
+
+// Producer thread: the task's stages into the ring.
+__device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss, kernels::gemm::RingPosition& ring,
+                                             const FusedBackwardParams& p, const BackwardTask& task) {
+  auto produce = [&](auto kind_tag, const kernels::GemmOperands& o, int32_t group, int32_t kb_begin,
+                     int32_t kb_end) {
+    constexpr kernels::gemm::GemmKind kKind = decltype(kind_tag)::value;
+    const kernels::gemm::Tile tile{task.m_block, task.n_block, group};
+    return kernels::gemm::produce_tile<kKind>(ss, ring, o.a, o.b0, o.b1, o.args, tile, kb_begin, kb_end);
+  };
+  switch (task.kind) {
+    case BackwardTaskKind::kSharedActGrad:
+      return produce(GemmTag<kActGradGemm>{}, p.shared_act_grad, 0, 0, k_blocks(p.shared_act_grad.args));
+    case BackwardTaskKind::kSharedDataGrad:
+      return produce(GemmTag<kDataGradGemm>{}, p.shared_data_grad, 0, 0, k_blocks(p.shared_data_grad.args));
+    case BackwardTaskKind::kActGrad:
+      return produce(GemmTag<kActGradGemm>{}, p.act_grad, expert_of_block(p.ws, task.m_block), 0,
+                     k_blocks(p.act_grad.args));
+    case BackwardTaskKind::kDataGrad:
+      return produce(GemmTag<kDataGradGemm>{}, p.data_grad, expert_of_block(p.ws, task.m_block), 0,
+                     k_blocks(p.data_grad.args));
+    case BackwardTaskKind::kWeightGrad: {
+      const kernels::GemmOperands& o = p.weight_grad[static_cast<int>(task.weight)];
+      int32_t kb_begin, kb_end;
+      weight_grad_k_range(o.args, task.group, kb_begin, kb_end);
+      return produce(GemmTag<kWeightGradGemm>{}, o, task.group, kb_begin, kb_end);
+    }
     case BackwardTaskKind::kEnd:
       break;
   }
   return true;
-}
-
-// Producer thread: ticket -> task -> inputs ready -> hand to the consumers -> load its stages.
-__device__ __forceinline__ void run_backward_producer(kernels::gemm::SharedStorage& ss,
-                                                      TaskSlots<BackwardTask>& slots,
-                                                      const FusedBackwardParams& p) {
-  const FusedCounters counters = counters_of(p.ws);
-  const sched::BackwardTaskShape shape = task_shape_of(p);
-  sched::BackwardTaskCursor cursor(shape);
-  kernels::gemm::RingPosition ring;
-  for (uint32_t i = 0;; ++i) {
-    BackwardTask task{BackwardTaskKind::kEnd, 0, 0, 0, 0, WeightGradKind::kSharedDown};
-    // After a failure anywhere, no new tile (tiles without inputs to wait on would never notice).
-    const bool stop = aborted(p.ws);
-    const int32_t ticket = stop ? 0 : static_cast<int32_t>(atomicAdd(counters.ticket(), 1u));
-    if (!stop && cursor.at(ticket, task)) {
-      if (!wait_inputs(p, shape, task)) task.kind = BackwardTaskKind::kEnd;
-      kernels::ptx::fence_proxy_async_global();  // rows other CTAs stored, read by TMA below
-    }
-    if (!hand_over(p.ws, slots, i, task) || task.kind == BackwardTaskKind::kEnd) return;
-
-    bool ok = true;
-    auto produce = [&](auto kind_tag, const kernels::GemmOperands& o, int32_t group, int32_t kb_begin,
-                       int32_t kb_end) {
-      constexpr kernels::gemm::GemmKind kKind = decltype(kind_tag)::value;
-      const kernels::gemm::Tile tile{task.m_block, task.n_block, group};
-      ok = kernels::gemm::produce_tile<kKind>(ss, ring, o.a, o.b0, o.b1, o.args, tile, kb_begin, kb_end);
-    };
-    switch (task.kind) {
-      case BackwardTaskKind::kSharedActGrad:
-        produce(GemmTag<kActGradGemm>{}, p.shared_act_grad, 0, 0, k_blocks(p.shared_act_grad.args));
-        break;
-      case BackwardTaskKind::kSharedDataGrad:
-        produce(GemmTag<kDataGradGemm>{}, p.shared_data_grad, 0, 0, k_blocks(p.shared_data_grad.args));
-        break;
-      case BackwardTaskKind::kActGrad:
-        produce(GemmTag<kActGradGemm>{}, p.act_grad, expert_of_block(p.ws, task.m_block), 0,
-                k_blocks(p.act_grad.args));
-        break;
-      case BackwardTaskKind::kDataGrad:
-        produce(GemmTag<kDataGradGemm>{}, p.data_grad, expert_of_block(p.ws, task.m_block), 0,
-                k_blocks(p.data_grad.args));
-        break;
-      case BackwardTaskKind::kWeightGrad: {
-        const kernels::GemmOperands& o = p.weight_grad[static_cast<int>(task.weight)];
-        int32_t kb_begin, kb_end;
-        weight_grad_k_range(o.args, task.group, kb_begin, kb_end);
-        produce(GemmTag<kWeightGradGemm>{}, o, task.group, kb_begin, kb_end);
-        break;
-      }
-      case BackwardTaskKind::kEnd:
-        break;
-    }
-    if (!ok) {
-      fail(p.ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 0, 1);
-      return;
-    }
-  }
 }
 
 // Consumer warpgroup: task -> mainloop + epilogue -> count the tile done (one count per warpgroup).
@@ -196,7 +209,7 @@ __device__ __forceinline__ void run_backward_consumer(kernels::gemm::SharedStora
   float acc[128];
   for (uint32_t i = 0;; ++i) {
     BackwardTask task;
-    if (!take_over(p.ws, slots, i, task) || task.kind == BackwardTaskKind::kEnd) return;
+    if (!take_over(p.ws, slots, i, task, /*whole_warp=*/true) || task.kind == BackwardTaskKind::kEnd) return;
 
     const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};
     bool ok = true;
@@ -253,6 +266,7 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
   const uintptr_t smem_base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
   kernels::gemm::SharedStorage& ss = *reinterpret_cast<kernels::gemm::SharedStorage*>(smem_base);
   __shared__ TaskSlots<BackwardTask> slots;
+  __shared__ SchedulerStorage<BackwardScheduler> scheduler;
 
   const int32_t role = start_cta(params.ws, params.comm_ctas, ss, slots);
   if (role < params.comm_ctas) {
@@ -271,7 +285,13 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
   const int warpgroup_idx = threadIdx.x / 128;
   if (warpgroup_idx == 0) {
     kernels::ptx::setmaxnreg_dec<GemmConfig::kProducerRegs>();
-    if (threadIdx.x == 0) run_backward_producer(ss, slots, params);
+    if (threadIdx.x == 0) {
+      run_producer(params.ws, slots, [&](const BackwardTask& task, kernels::gemm::RingPosition& ring) {
+        return produce_task(ss, ring, params, task);
+      });
+    } else if (threadIdx.x == kSchedulerThread) {
+      run_scheduler(params.ws, slots, scheduler.construct(params));
+    }
   } else {
     kernels::ptx::setmaxnreg_inc<GemmConfig::kConsumerRegs>();
     run_backward_consumer(ss, slots, params, warpgroup_idx - 1);

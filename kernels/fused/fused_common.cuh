@@ -18,6 +18,8 @@
 
 #include <cuda.h>
 
+#include <new>
+
 #include "kernels/combine/combine.cuh"
 #include "kernels/common/flags.cuh"
 #include "kernels/gemm/grouped_gemm_kernel.cuh"
@@ -55,16 +57,21 @@ __device__ __forceinline__ FusedCounters counters_of(const layout::WorkspacePoin
   return {ws.fused_counters, ws.rows_capacity / GemmConfig::BLOCK_M, ws.token_capacity / GemmConfig::BLOCK_M};
 }
 
-// Per-CTA handoff state beside the GEMM's stage ring: the producer thread hands each task to the two
-// consumer warpgroups through a two-slot mbarrier ring.
+// Per-CTA handoff state beside the GEMM's stage ring. The scheduler thread takes tickets and waits for each
+// task's inputs, kTaskSlots tasks ahead of the tile being multiplied, so neither the ticket's round trip nor
+// a dependency check sits between two tiles; the TMA producer thread and the two consumer warpgroups read
+// every task from the ring.
+inline constexpr int kTaskSlots = 4;
+inline constexpr int kSchedulerThread = 32;  // lane 0 of the producer warpgroup's second warp
 template <typename TaskT>
 struct TaskSlots {
-  TaskT task[2];
-  uint64_t full[2];   // producer -> consumers: task[s] written (1 arrival)
-  uint64_t empty[2];  // consumers -> producer: task[s] read by all 8 consumer warps
+  TaskT task[kTaskSlots];
+  uint64_t full[kTaskSlots];   // scheduler -> producer and consumers: task[s] written (1 arrival)
+  uint64_t empty[kTaskSlots];  // task[s] read by the producer thread and all 8 consumer warps
   int32_t role;
   int32_t go;  // communication CTAs: thread 0's decision, broadcast
 };
+inline constexpr uint32_t kTaskReaders = 1 + 4 * GemmConfig::kNumConsumerWarpgroups;
 
 // Any failure: record it (first one wins) and make every other wait of the kernel give up at once.
 __device__ __forceinline__ void fail(const layout::WorkspacePointers& ws, layout::WaitId which, int64_t index,
@@ -213,9 +220,9 @@ __device__ __forceinline__ int32_t start_cta(const layout::WorkspacePointers& ws
         kernels::ptx::mbarrier_init(&ss.full[s], 1);
         kernels::ptx::mbarrier_init(&ss.empty[s], 4 * GemmConfig::kNumConsumerWarpgroups);
       }
-      for (int s = 0; s < 2; ++s) {
+      for (int s = 0; s < kTaskSlots; ++s) {
         kernels::ptx::mbarrier_init(&slots.full[s], 1);
-        kernels::ptx::mbarrier_init(&slots.empty[s], 4 * GemmConfig::kNumConsumerWarpgroups);
+        kernels::ptx::mbarrier_init(&slots.empty[s], kTaskReaders);
       }
       kernels::ptx::fence_mbarrier_init();
     }
@@ -224,13 +231,14 @@ __device__ __forceinline__ int32_t start_cta(const layout::WorkspacePointers& ws
   return slots.role;
 }
 
-// Producer side of the handoff: waits until slot i % 2 is free, writes the task, arrives. False (recorded)
-// when the consumers never freed it: writing it would flip a phase they have not seen.
+// Scheduler side of the handoff: waits until slot i % kTaskSlots is free, writes the task, arrives. False
+// (recorded) when a reader never freed it: writing it would flip a phase the reader has not seen.
 template <typename TaskT>
 __device__ __forceinline__ bool hand_over(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
                                           uint32_t i, const TaskT& task) {
-  const uint32_t s = i % 2;
-  if (!kernels::ptx::mbarrier_wait_parity_bounded(&slots.empty[s], ((i / 2) & 1) ^ 1, ws.timeout_ns)) {
+  const uint32_t s = i % kTaskSlots;
+  const uint32_t phase = (i / kTaskSlots) & 1;
+  if (!kernels::ptx::mbarrier_wait_parity_bounded(&slots.empty[s], phase ^ 1, ws.timeout_ns)) {
     fail(ws, layout::WaitId::kFusedTaskHandoff, s, 1, 0);
     return false;
   }
@@ -239,20 +247,64 @@ __device__ __forceinline__ bool hand_over(const layout::WorkspacePointers& ws, T
   return true;
 }
 
-// Consumer side: waits for task i, copies it, frees the slot (one arrival per warp).
+// Reader side: waits for task i, copies it, frees the slot: a consumer warp arrives once per warp, the
+// producer thread (`whole_warp` false) once.
 template <typename TaskT>
 __device__ __forceinline__ bool take_over(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
-                                          uint32_t i, TaskT& task) {
-  const uint32_t s = i % 2;
-  const uint64_t handoff_timeout = 2 * ws.timeout_ns;  // the producer may wait out one timeout first
-  if (!kernels::ptx::mbarrier_wait_parity_bounded(&slots.full[s], (i / 2) & 1, handoff_timeout)) {
+                                          uint32_t i, TaskT& task, bool whole_warp) {
+  const uint32_t s = i % kTaskSlots;
+  const uint64_t handoff_timeout = 2 * ws.timeout_ns;  // the scheduler may wait out one timeout first
+  if (!kernels::ptx::mbarrier_wait_parity_bounded(&slots.full[s], (i / kTaskSlots) & 1, handoff_timeout)) {
     fail(ws, layout::WaitId::kFusedTaskHandoff, s, 1, 0);
     return false;
   }
   task = slots.task[s];
-  __syncwarp();
-  if (threadIdx.x % 32 == 0) kernels::ptx::mbarrier_arrive(&slots.empty[s]);
+  if (whole_warp) __syncwarp();
+  if (!whole_warp || threadIdx.x % 32 == 0) kernels::ptx::mbarrier_arrive(&slots.empty[s]);
   return true;
+}
+
+// Shared-memory home of a scheduler's state (cursor, shape, caches): the producer warpgroup runs on
+// kProducerRegs registers, too few to hold it, and one thread reading shared memory costs nothing next to
+// its ticket and counter round trips.
+template <typename Scheduler>
+struct SchedulerStorage {
+  alignas(16) unsigned char bytes[sizeof(Scheduler)];
+  template <typename... Args>
+  __device__ Scheduler& construct(const Args&... args) {
+    return *new (bytes) Scheduler(args...);
+  }
+};
+
+// The scheduler thread: `next(task)` takes a ticket and waits for the task's inputs (task.kind == kEnd at
+// the end of the list, after a failure, or once any CTA aborted); every task goes to the ring, the end too.
+template <typename TaskT, typename NextTask>
+__device__ __forceinline__ void run_scheduler(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
+                                              NextTask&& next) {
+  for (uint32_t i = 0;; ++i) {
+    TaskT task;
+    next(task);
+    if (!hand_over(ws, slots, i, task) || task.kind == decltype(task.kind)::kEnd) return;
+  }
+}
+
+// The TMA producer thread: `produce(task, ring)` loads the task's stages; false (already recorded by the
+// stage ring) ends the CTA's work.
+template <typename TaskT, typename Produce>
+__device__ __forceinline__ void run_producer(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
+                                             Produce&& produce) {
+  kernels::gemm::RingPosition ring;
+  for (uint32_t i = 0;; ++i) {
+    TaskT task;
+    if (!take_over(ws, slots, i, task, /*whole_warp=*/false) || task.kind == decltype(task.kind)::kEnd) return;
+    // The scheduler acquired what other CTAs stored (and handed over through the slot's mbarrier); TMA
+    // reads it through the async proxy.
+    kernels::ptx::fence_proxy_async_global();
+    if (!produce(task, ring)) {
+      fail(ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 0, 1);
+      return;
+    }
+  }
 }
 
 }  // namespace pounce::fused

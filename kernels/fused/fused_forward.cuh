@@ -6,10 +6,11 @@
 // compute CTA is and a compute CTA never waits on a communication CTA that cannot run):
 //   communication CTA: pulls the rows of routed minibatch 0, 1, ... (warps strided over the rows, every
 //     communication CTA a share of every minibatch), bumping rows_ready[j] after each.
-//   compute CTA: the GEMM mainloop of kernels/gemm with a task source instead of a static tile walk. The
-//     producer thread takes a ticket (sched/forward_tasks.cuh), waits for the task's inputs, hands the
-//     task to the consumer warpgroups through a two-slot mbarrier ring in shared memory and loads its
-//     stages; the consumers multiply, store through the kind's epilogue, and count the tile done.
+//   compute CTA: the GEMM mainloop of kernels/gemm with a task source instead of a static tile walk. A
+//     scheduler thread takes a ticket (sched/forward_tasks.cuh), waits for the task's inputs and hands the
+//     task through a ring of kTaskSlots in shared memory (fused_common.cuh) to the TMA producer thread,
+//     which loads its stages, and the consumer warpgroups, which multiply, store through the kind's
+//     epilogue, and count the tile done.
 //   combine, one of two ways (params.push_combine, chosen per shape by src/gpu/fused_forward.cu):
 //     - push: the down tile stores y_rows and counts rows_done[j]; between pulls, and after the last one,
 //       the communication CTAs push every minibatch whose down tiles are all stored to the token owners'
@@ -80,64 +81,59 @@ __device__ __forceinline__ sched::ForwardTaskShape task_shape_of(const FusedForw
 // ---------------------------------------------------------------------------------------------------
 // Compute CTA
 // ---------------------------------------------------------------------------------------------------
-// Producer thread: ticket -> task -> inputs ready -> hand to the consumers -> load its stages.
-__device__ __forceinline__ void run_task_producer(kernels::gemm::SharedStorage& ss, TaskSlots<Task>& slots,
-                                                  const FusedForwardMaps& maps, const FusedForwardParams& p) {
-  const FusedCounters counters = counters_of(p.ws);
-  const sched::ForwardTaskShape shape = task_shape_of(p);
-  sched::ForwardTaskCursor cursor(shape);
-  kernels::gemm::RingPosition ring;
-  for (uint32_t i = 0;; ++i) {
-    Task task{TaskKind::kEnd, 0, 0, 0};
-    // After a failure anywhere, no new tile (tiles without inputs to wait on would never notice).
-    const bool stop = aborted(p.ws);
-    const int32_t ticket = stop ? 0 : static_cast<int32_t>(atomicAdd(counters.ticket(), 1u));
-    if (!stop && cursor.at(ticket, task)) {
-      bool ready = true;
-      if (task.kind == TaskKind::kGateUp) {
-        ready = wait_count(p.ws, counters.rows_ready(task.unit), static_cast<uint32_t>(p.comm_ctas),
-                           layout::WaitId::kFusedRowsReady, task.unit);
-      } else if (task.kind == TaskKind::kDown || task.kind == TaskKind::kSharedDown) {
-        const bool shared = task.kind == TaskKind::kSharedDown;
-        const uint32_t expected = 2u * (shared ? shape.shared_gate_up_n : shape.gate_up_n);
-        ready = wait_count(p.ws, counters.first_done(shared, task.m_block), expected,
-                           layout::WaitId::kFusedGateUpDone, task.m_block);
-      }
-      if (!ready) task.kind = TaskKind::kEnd;
-      kernels::ptx::fence_proxy_async_global();  // rows other CTAs stored, read by TMA below
-    }
-    if (!hand_over(p.ws, slots, i, task) || task.kind == TaskKind::kEnd) return;
+// Scheduler thread: ticket -> task -> its inputs ready (kEnd past the list, on a failure or an abort).
+struct ForwardScheduler {
+  const FusedForwardParams& p;
+  sched::ForwardTaskShape shape;
+  sched::ForwardTaskCursor cursor;
 
-    const bool routed = task.kind == TaskKind::kGateUp || task.kind == TaskKind::kDown;
-    const kernels::gemm::Tile tile{task.m_block, task.n_block,
-                                   routed ? expert_of_block(p.ws, task.m_block) : 0};
-    bool ok = true;
-    switch (task.kind) {
-      case TaskKind::kSharedGateUp:
-        ok = kernels::gemm::produce_tile<kGateUpGemm>(ss, ring, maps.sym_x, maps.shared_gate, maps.shared_up,
-                                                      p.shared_gate_up, tile, 0, k_blocks(p.shared_gate_up));
-        break;
-      case TaskKind::kSharedDown:
-        ok = kernels::gemm::produce_tile<kDownGemm>(ss, ring, maps.shared_act, maps.shared_down,
-                                                    maps.shared_down, p.shared_down, tile, 0,
-                                                    k_blocks(p.shared_down));
-        break;
-      case TaskKind::kGateUp:
-        ok = kernels::gemm::produce_tile<kGateUpGemm>(ss, ring, maps.x_rows, maps.gate, maps.up, p.gate_up,
-                                                      tile, 0, k_blocks(p.gate_up));
-        break;
-      case TaskKind::kDown:
-        ok = kernels::gemm::produce_tile<kDownGemm>(ss, ring, maps.act_rows, maps.down, maps.down, p.down,
-                                                    tile, 0, k_blocks(p.down));
-        break;
-      case TaskKind::kEnd:
-        break;
+  __device__ explicit ForwardScheduler(const FusedForwardParams& params)
+      : p(params), shape(task_shape_of(params)), cursor(shape) {}
+
+  __device__ void operator()(Task& task) {
+    const FusedCounters counters = counters_of(p.ws);
+    task = Task{TaskKind::kEnd, 0, 0, 0};
+    // After a failure anywhere, no new tile (tiles without inputs to wait on would never notice).
+    if (aborted(p.ws)) return;
+    const int32_t ticket = static_cast<int32_t>(atomicAdd(counters.ticket(), 1u));
+    if (!cursor.at(ticket, task)) return;
+    bool ready = true;
+    if (task.kind == TaskKind::kGateUp) {
+      ready = wait_count(p.ws, counters.rows_ready(task.unit), static_cast<uint32_t>(p.comm_ctas),
+                         layout::WaitId::kFusedRowsReady, task.unit);
+    } else if (task.kind == TaskKind::kDown || task.kind == TaskKind::kSharedDown) {
+      const bool shared = task.kind == TaskKind::kSharedDown;
+      const uint32_t expected = 2u * (shared ? shape.shared_gate_up_n : shape.gate_up_n);
+      ready = wait_count(p.ws, counters.first_done(shared, task.m_block), expected, layout::WaitId::kFusedGateUpDone,
+                         task.m_block);
     }
-    if (!ok) {
-      fail(p.ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 0, 1);
-      return;
-    }
+    if (!ready) task.kind = TaskKind::kEnd;
   }
+};
+
+// Producer thread: the task's stages into the ring.
+__device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss, kernels::gemm::RingPosition& ring,
+                                             const FusedForwardMaps& maps, const FusedForwardParams& p,
+                                             const Task& task) {
+  const bool routed = task.kind == TaskKind::kGateUp || task.kind == TaskKind::kDown;
+  const kernels::gemm::Tile tile{task.m_block, task.n_block, routed ? expert_of_block(p.ws, task.m_block) : 0};
+  switch (task.kind) {
+    case TaskKind::kSharedGateUp:
+      return kernels::gemm::produce_tile<kGateUpGemm>(ss, ring, maps.sym_x, maps.shared_gate, maps.shared_up,
+                                                      p.shared_gate_up, tile, 0, k_blocks(p.shared_gate_up));
+    case TaskKind::kSharedDown:
+      return kernels::gemm::produce_tile<kDownGemm>(ss, ring, maps.shared_act, maps.shared_down, maps.shared_down,
+                                                    p.shared_down, tile, 0, k_blocks(p.shared_down));
+    case TaskKind::kGateUp:
+      return kernels::gemm::produce_tile<kGateUpGemm>(ss, ring, maps.x_rows, maps.gate, maps.up, p.gate_up, tile, 0,
+                                                      k_blocks(p.gate_up));
+    case TaskKind::kDown:
+      return kernels::gemm::produce_tile<kDownGemm>(ss, ring, maps.act_rows, maps.down, maps.down, p.down, tile, 0,
+                                                    k_blocks(p.down));
+    case TaskKind::kEnd:
+      break;
+  }
+  return true;
 }
 
 // Consumer warpgroup: task -> mainloop + epilogue -> count the tile done (one count per warpgroup).
@@ -148,7 +144,7 @@ __device__ __forceinline__ void run_task_consumer(kernels::gemm::SharedStorage& 
   float acc[128];
   for (uint32_t i = 0;; ++i) {
     Task task;
-    if (!take_over(p.ws, slots, i, task) || task.kind == TaskKind::kEnd) return;
+    if (!take_over(p.ws, slots, i, task, /*whole_warp=*/true) || task.kind == TaskKind::kEnd) return;
 
     const kernels::gemm::Tile tile{task.m_block, task.n_block, 0};
     bool ok = true;
@@ -191,11 +187,13 @@ __device__ __forceinline__ void run_task_consumer(kernels::gemm::SharedStorage& 
 }
 
 __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
-    fused_forward_kernel(const __grid_constant__ FusedForwardMaps maps, const FusedForwardParams params) {
+    fused_forward_kernel(const __grid_constant__ FusedForwardMaps maps,
+                         const __grid_constant__ FusedForwardParams params) {
   extern __shared__ uint8_t smem_raw[];
   const uintptr_t smem_base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
   kernels::gemm::SharedStorage& ss = *reinterpret_cast<kernels::gemm::SharedStorage*>(smem_base);
   __shared__ TaskSlots<Task> slots;
+  __shared__ SchedulerStorage<ForwardScheduler> scheduler;
 
   const int32_t role = start_cta(params.ws, params.comm_ctas, ss, slots);
   if (role < params.comm_ctas) {
@@ -217,7 +215,11 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     if (threadIdx.x == 0) {
       for (const CUtensorMap* map : {&maps.x_rows, &maps.act_rows, &maps.gate, &maps.up, &maps.down})
         kernels::ptx::prefetch_tensor_map(map);
-      run_task_producer(ss, slots, maps, params);
+      run_producer(params.ws, slots, [&](const Task& task, kernels::gemm::RingPosition& ring) {
+        return produce_task(ss, ring, maps, params, task);
+      });
+    } else if (threadIdx.x == kSchedulerThread) {
+      run_scheduler(params.ws, slots, scheduler.construct(params));
     }
   } else {
     kernels::ptx::setmaxnreg_inc<GemmConfig::kConsumerRegs>();
