@@ -84,7 +84,7 @@ __device__ __forceinline__ void weight_grad_k_range(const GroupedGemmArgs& args,
   kb_end = min(args.group_row_offset[group + 1], limit) / GemmConfig::BLOCK_K;
 }
 
-// Scheduler thread: ticket -> task -> everything it reads ready (kEnd past the list, on a failure or an
+// Producer thread, first: ticket -> task -> everything it reads ready (kEnd past the list, on a failure or an
 // abort). Weight-gradient tiles come in runs of one expert's tiles, so the last dependency check is
 // remembered: tiles after the first of a run start at once.
 struct BackwardScheduler {
@@ -168,7 +168,7 @@ struct BackwardScheduler {
   }
 };
 
-// Producer thread: the task's stages into the ring.
+// Producer thread, then: the task's stages into the ring.
 __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss, kernels::gemm::RingPosition& ring,
                                              const FusedBackwardParams& p, const BackwardTask& task) {
   auto produce = [&](auto kind_tag, const kernels::GemmOperands& o, int32_t group, int32_t kb_begin,
@@ -209,7 +209,7 @@ __device__ __forceinline__ void run_backward_consumer(kernels::gemm::SharedStora
   float acc[128];
   for (uint32_t i = 0;; ++i) {
     BackwardTask task;
-    if (!take_over(p.ws, slots, i, task, /*whole_warp=*/true) || task.kind == BackwardTaskKind::kEnd) return;
+    if (!take_over(p.ws, slots, i, task) || task.kind == BackwardTaskKind::kEnd) return;
 
     const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};
     bool ok = true;
@@ -286,11 +286,10 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
   if (warpgroup_idx == 0) {
     kernels::ptx::setmaxnreg_dec<GemmConfig::kProducerRegs>();
     if (threadIdx.x == 0) {
-      run_producer(params.ws, slots, [&](const BackwardTask& task, kernels::gemm::RingPosition& ring) {
-        return produce_task(ss, ring, params, task);
-      });
-    } else if (threadIdx.x == kSchedulerThread) {
-      run_scheduler(params.ws, slots, scheduler.construct(params));
+      run_producer(params.ws, slots, scheduler.construct(params),
+                   [&](const BackwardTask& task, kernels::gemm::RingPosition& ring) {
+                     return produce_task(ss, ring, params, task);
+                   });
     }
   } else {
     kernels::ptx::setmaxnreg_inc<GemmConfig::kConsumerRegs>();

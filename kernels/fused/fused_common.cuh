@@ -57,21 +57,21 @@ __device__ __forceinline__ FusedCounters counters_of(const layout::WorkspacePoin
   return {ws.fused_counters, ws.rows_capacity / GemmConfig::BLOCK_M, ws.token_capacity / GemmConfig::BLOCK_M};
 }
 
-// Per-CTA handoff state beside the GEMM's stage ring. The scheduler thread takes tickets and waits for each
-// task's inputs, kTaskSlots tasks ahead of the tile being multiplied, so neither the ticket's round trip nor
-// a dependency check sits between two tiles; the TMA producer thread and the two consumer warpgroups read
-// every task from the ring.
-inline constexpr int kTaskSlots = 4;
-inline constexpr int kSchedulerThread = 32;  // lane 0 of the producer warpgroup's second warp
+// Per-CTA handoff state beside the GEMM's stage ring: the producer thread takes a ticket, waits for the
+// task's inputs and hands it to the consumer warpgroups through a ring of kTaskSlots in shared memory, then
+// loads its stages. Tickets are taken just in time (when the previous tile's loads are issued): a deeper
+// lookahead (a separate scheduler thread kTaskSlots = 4 tasks ahead) claimed tiles long before they could
+// run and cost 25-45 % on every preset (docs/design.md).
+inline constexpr int kTaskSlots = 2;
 template <typename TaskT>
 struct TaskSlots {
   TaskT task[kTaskSlots];
-  uint64_t full[kTaskSlots];   // scheduler -> producer and consumers: task[s] written (1 arrival)
-  uint64_t empty[kTaskSlots];  // task[s] read by the producer thread and all 8 consumer warps
+  uint64_t full[kTaskSlots];   // producer -> consumers: task[s] written (1 arrival)
+  uint64_t empty[kTaskSlots];  // task[s] read by all 8 consumer warps
   int32_t role;
   int32_t go;  // communication CTAs: thread 0's decision, broadcast
 };
-inline constexpr uint32_t kTaskReaders = 1 + 4 * GemmConfig::kNumConsumerWarpgroups;
+inline constexpr uint32_t kTaskReaders = 4 * GemmConfig::kNumConsumerWarpgroups;
 
 // Any failure: record it (first one wins) and make every other wait of the kernel give up at once.
 __device__ __forceinline__ void fail(const layout::WorkspacePointers& ws, layout::WaitId which, int64_t index,
@@ -231,8 +231,8 @@ __device__ __forceinline__ int32_t start_cta(const layout::WorkspacePointers& ws
   return slots.role;
 }
 
-// Scheduler side of the handoff: waits until slot i % kTaskSlots is free, writes the task, arrives. False
-// (recorded) when a reader never freed it: writing it would flip a phase the reader has not seen.
+// Producer side of the handoff: waits until slot i % kTaskSlots is free, writes the task, arrives. False
+// (recorded) when the consumers never freed it: writing it would flip a phase they have not seen.
 template <typename TaskT>
 __device__ __forceinline__ bool hand_over(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
                                           uint32_t i, const TaskT& task) {
@@ -247,20 +247,19 @@ __device__ __forceinline__ bool hand_over(const layout::WorkspacePointers& ws, T
   return true;
 }
 
-// Reader side: waits for task i, copies it, frees the slot: a consumer warp arrives once per warp, the
-// producer thread (`whole_warp` false) once.
+// Consumer side: waits for task i, copies it, frees the slot (one arrival per warp).
 template <typename TaskT>
 __device__ __forceinline__ bool take_over(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
-                                          uint32_t i, TaskT& task, bool whole_warp) {
+                                          uint32_t i, TaskT& task) {
   const uint32_t s = i % kTaskSlots;
-  const uint64_t handoff_timeout = 2 * ws.timeout_ns;  // the scheduler may wait out one timeout first
+  const uint64_t handoff_timeout = 2 * ws.timeout_ns;  // the producer may wait out one timeout first
   if (!kernels::ptx::mbarrier_wait_parity_bounded(&slots.full[s], (i / kTaskSlots) & 1, handoff_timeout)) {
     fail(ws, layout::WaitId::kFusedTaskHandoff, s, 1, 0);
     return false;
   }
   task = slots.task[s];
-  if (whole_warp) __syncwarp();
-  if (!whole_warp || threadIdx.x % 32 == 0) kernels::ptx::mbarrier_arrive(&slots.empty[s]);
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) kernels::ptx::mbarrier_arrive(&slots.empty[s]);
   return true;
 }
 
@@ -276,30 +275,18 @@ struct SchedulerStorage {
   }
 };
 
-// The scheduler thread: `next(task)` takes a ticket and waits for the task's inputs (task.kind == kEnd at
-// the end of the list, after a failure, or once any CTA aborted); every task goes to the ring, the end too.
-template <typename TaskT, typename NextTask>
-__device__ __forceinline__ void run_scheduler(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
-                                              NextTask&& next) {
-  for (uint32_t i = 0;; ++i) {
-    TaskT task;
-    next(task);
-    if (!hand_over(ws, slots, i, task) || task.kind == decltype(task.kind)::kEnd) return;
-  }
-}
-
-// The TMA producer thread: `produce(task, ring)` loads the task's stages; false (already recorded by the
-// stage ring) ends the CTA's work.
-template <typename TaskT, typename Produce>
+// The producer thread: `next(task)` takes a ticket and waits for the task's inputs (task.kind == kEnd at the
+// end of the list, after a failure, or once any CTA aborted); the task goes to the consumers, the end too;
+// `produce(task, ring)` loads its stages (false: recorded by the stage ring, the CTA's work ends).
+template <typename TaskT, typename NextTask, typename Produce>
 __device__ __forceinline__ void run_producer(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
-                                             Produce&& produce) {
+                                             NextTask&& next, Produce&& produce) {
   kernels::gemm::RingPosition ring;
   for (uint32_t i = 0;; ++i) {
     TaskT task;
-    if (!take_over(ws, slots, i, task, /*whole_warp=*/false) || task.kind == decltype(task.kind)::kEnd) return;
-    // The scheduler acquired what other CTAs stored (and handed over through the slot's mbarrier); TMA
-    // reads it through the async proxy.
-    kernels::ptx::fence_proxy_async_global();
+    next(task);
+    kernels::ptx::fence_proxy_async_global();  // rows other CTAs stored (acquired by next), read by TMA
+    if (!hand_over(ws, slots, i, task) || task.kind == decltype(task.kind)::kEnd) return;
     if (!produce(task, ring)) {
       fail(ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 0, 1);
       return;

@@ -6,11 +6,11 @@
 // compute CTA is and a compute CTA never waits on a communication CTA that cannot run):
 //   communication CTA: pulls the rows of routed minibatch 0, 1, ... (warps strided over the rows, every
 //     communication CTA a share of every minibatch), bumping rows_ready[j] after each.
-//   compute CTA: the GEMM mainloop of kernels/gemm with a task source instead of a static tile walk. A
-//     scheduler thread takes a ticket (sched/forward_tasks.cuh), waits for the task's inputs and hands the
-//     task through a ring of kTaskSlots in shared memory (fused_common.cuh) to the TMA producer thread,
-//     which loads its stages, and the consumer warpgroups, which multiply, store through the kind's
-//     epilogue, and count the tile done.
+//   compute CTA: the GEMM mainloop of kernels/gemm with a task source instead of a static tile walk. The
+//     producer thread takes a ticket (sched/forward_tasks.cuh), waits for the task's inputs, hands the
+//     task to the consumer warpgroups through a two-slot mbarrier ring in shared memory (fused_common.cuh)
+//     and loads its stages; the consumers multiply, store through the kind's epilogue, and count the tile
+//     done.
 //   combine, one of two ways (params.push_combine, chosen per shape by src/gpu/fused_forward.cu):
 //     - push: the down tile stores y_rows and counts rows_done[j]; between pulls, and after the last one,
 //       the communication CTAs push every minibatch whose down tiles are all stored to the token owners'
@@ -81,7 +81,7 @@ __device__ __forceinline__ sched::ForwardTaskShape task_shape_of(const FusedForw
 // ---------------------------------------------------------------------------------------------------
 // Compute CTA
 // ---------------------------------------------------------------------------------------------------
-// Scheduler thread: ticket -> task -> its inputs ready (kEnd past the list, on a failure or an abort).
+// Producer thread, first: ticket -> task -> its inputs ready (kEnd past the list, on a failure or an abort).
 struct ForwardScheduler {
   const FusedForwardParams& p;
   sched::ForwardTaskShape shape;
@@ -111,7 +111,7 @@ struct ForwardScheduler {
   }
 };
 
-// Producer thread: the task's stages into the ring.
+// Producer thread, then: the task's stages into the ring.
 __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss, kernels::gemm::RingPosition& ring,
                                              const FusedForwardMaps& maps, const FusedForwardParams& p,
                                              const Task& task) {
@@ -144,7 +144,7 @@ __device__ __forceinline__ void run_task_consumer(kernels::gemm::SharedStorage& 
   float acc[128];
   for (uint32_t i = 0;; ++i) {
     Task task;
-    if (!take_over(p.ws, slots, i, task, /*whole_warp=*/true) || task.kind == TaskKind::kEnd) return;
+    if (!take_over(p.ws, slots, i, task) || task.kind == TaskKind::kEnd) return;
 
     const kernels::gemm::Tile tile{task.m_block, task.n_block, 0};
     bool ok = true;
@@ -215,11 +215,10 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     if (threadIdx.x == 0) {
       for (const CUtensorMap* map : {&maps.x_rows, &maps.act_rows, &maps.gate, &maps.up, &maps.down})
         kernels::ptx::prefetch_tensor_map(map);
-      run_producer(params.ws, slots, [&](const Task& task, kernels::gemm::RingPosition& ring) {
-        return produce_task(ss, ring, maps, params, task);
-      });
-    } else if (threadIdx.x == kSchedulerThread) {
-      run_scheduler(params.ws, slots, scheduler.construct(params));
+      run_producer(params.ws, slots, scheduler.construct(params),
+                   [&](const Task& task, kernels::gemm::RingPosition& ring) {
+                     return produce_task(ss, ring, maps, params, task);
+                   });
     }
   } else {
     kernels::ptx::setmaxnreg_inc<GemmConfig::kConsumerRegs>();

@@ -4,9 +4,10 @@
 // (kernels/fused/fused_backward.cuh), then the combine barrier and the d_x sum. Stream-ordered, nothing
 // allocated, no routing count read on the host: capturable like the staged chain.
 //
-// The communication CTAs, the combine (push or scatter) and the minibatch size follow the fused forward's
-// heuristic (src/gpu/fused_forward.cu): the d_x GEMM (N = H, K = 2I) stands where the down GEMM
-// (N = H, K = I) stands in the forward, with the same row counts and transfer sizes.
+// The communication CTAs and the combine (push or scatter) follow the fused forward's heuristic
+// (src/gpu/fused_forward.cu): the d_x GEMM (N = H, K = 2I) stands where the down GEMM (N = H, K = I) stands
+// in the forward, with the same row counts and transfer sizes. The minibatch is sized so that its d_a tiles
+// fill the compute CTAs once (backward_unit_blocks).
 // config.backward_comm_sms and minibatch_size override; POUNCE_FUSED_COMBINE=push|scatter overrides the
 // combine here too.
 #include <cuda_runtime.h>
@@ -62,6 +63,20 @@ MlpOperands mlp_operands(const MlpBackward& m, int64_t H, const kernels::Activat
   return o;
 }
 
+// m-blocks per minibatch: enough that one minibatch's d_a tiles fill every compute CTA once. A d_x tile
+// waits for the d_a tiles of its m-block, which were handed out one minibatch earlier; with less than a wave
+// between them (the forward's 8 m-blocks on deepseek: 64 d_a tiles for 128 CTAs) d_x tiles wait on d_a
+// mainloops still running. config.minibatch_size overrides.
+int32_t backward_unit_blocks(const GpuWorkspace& workspace, int comm_ctas) {
+  const int64_t act_grad_n = std::max<int64_t>(1, layout::ceil_div(workspace.layout.intermediate,
+                                                                    kernels::gemm::GemmConfig::BLOCK_N));
+  const int64_t compute_ctas = std::max(1, workspace.num_sms - comm_ctas);
+  const int64_t minibatch = workspace.config.minibatch_size;
+  const int64_t max_m_blocks = std::max<int64_t>(1, workspace.layout.rows_capacity / layout::kBlockM);
+  const int64_t blocks = minibatch > 0 ? minibatch / layout::kBlockM : layout::ceil_div(compute_ctas, act_grad_n);
+  return static_cast<int32_t>(std::clamp<int64_t>(blocks, 1, max_m_blocks));
+}
+
 }  // namespace
 
 void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream) {
@@ -104,7 +119,7 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
   weight(WeightGradKind::kUp) = routed.up;
   params.push_combine = fused_push_combine(workspace);
   params.comm_ctas = fused_comm_ctas(workspace, params.push_combine, workspace.config.backward_comm_sms);
-  params.unit_blocks = fused_unit_blocks(workspace, params.push_combine);
+  params.unit_blocks = backward_unit_blocks(workspace, params.comm_ctas);
 
   const BackwardLaunch launch = launch_backward_prologue(workspace, args, timer, stream);
   // Counters start at zero every call (a memset node in a captured graph).
