@@ -19,7 +19,7 @@ printf '%-16s %-7s %10s %10s\n' preset kernel forward_ms fwd+bwd_ms
 for preset in $presets; do
   for kernel in fused staged; do
     line=$(timeout 120 ./build/pounce run --preset "$preset" --tokens "$tokens" --kernel "$kernel" \
-             --check-tokens 8 --iters 10 --wgrad-dtype bf16 2>&1)
+             --backward-kernel "$kernel" --check-tokens 8 --iters 10 --wgrad-dtype bf16 2>&1)
     fwd=$(echo "$line" | awk '$1 == "forward" {print $2}')
     tot=$(echo "$line" | awk '$1 == "forward+backward" {print $2}')
     printf '%-16s %-7s %10s %10s\n' "$preset" "$kernel" "$fwd" "$tot"

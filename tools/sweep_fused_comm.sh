@@ -5,7 +5,7 @@ export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl
 for preset in $SWEEP_PRESETS; do
   for combine in $COMBINES; do
     for sms in $COMM_SMS; do
-      line=$(POUNCE_FUSED_COMBINE=$combine timeout 120 ./build/pounce run --preset "$preset" --tokens 8192 --kernel fused --comm-sms "$sms" --check-tokens 8 --iters 10 --wgrad-dtype bf16 2>&1)
+      line=$(POUNCE_FUSED_COMBINE=$combine timeout 120 ./build/pounce run --preset "$preset" --tokens 8192 --kernel fused --backward-kernel fused --comm-sms "$sms" --check-tokens 8 --iters 10 --wgrad-dtype bf16 2>&1)
       printf '%-14s %-8s comm %3s fwd %s fwd+bwd %s\n' "$preset" "$combine" "$sms" "$(echo "$line" | awk '$1 == "forward" {print $2}')" "$(echo "$line" | awk '$1 == "forward+backward" {print $2}')"
     done
   done

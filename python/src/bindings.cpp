@@ -178,7 +178,8 @@ std::string config_repr(const Config& c) {
       << ", minibatch_size=" << c.minibatch_size << ", macrobatch_size=" << c.macrobatch_size
       << ", activation=" << activation_repr(c.activation) << ", precision=" << to_string(c.precision)
       << ", deterministic=" << (c.deterministic ? "True" : "False") << ", backend=" << to_string(c.backend)
-      << ", kernel_path=" << to_string(c.kernel_path) << ")";
+      << ", kernel_path=" << to_string(c.kernel_path)
+      << ", backward_kernel_path=" << to_string(c.backward_kernel_path) << ")";
   return out.str();
 }
 
@@ -249,7 +250,7 @@ void bind_types(nb::module_& m) {
           "__init__",
           [](Config* self, int forward_comm_sms, int backward_comm_sms, int64_t minibatch_size,
              int64_t macrobatch_size, std::optional<Activation> activation, Precision precision,
-             bool deterministic, Backend backend, KernelPath kernel_path) {
+             bool deterministic, Backend backend, KernelPath kernel_path, KernelPath backward_kernel_path) {
             new (self) Config{forward_comm_sms,
                               backward_comm_sms,
                               minibatch_size,
@@ -258,11 +259,13 @@ void bind_types(nb::module_& m) {
                               precision,
                               deterministic,
                               backend,
-                              kernel_path};
+                              kernel_path,
+                              backward_kernel_path};
           },
           "forward_comm_sms"_a = 0, "backward_comm_sms"_a = 0, "minibatch_size"_a = 0,
           "macrobatch_size"_a = 0, "activation"_a = nb::none(), "precision"_a = Precision::kBF16,
-          "deterministic"_a = true, "backend"_a = Backend::kAuto, "kernel_path"_a = KernelPath::kFused)
+          "deterministic"_a = true, "backend"_a = Backend::kAuto, "kernel_path"_a = KernelPath::kFused,
+          "backward_kernel_path"_a = KernelPath::kStaged)
       .def_rw("forward_comm_sms", &Config::forward_comm_sms)
       .def_rw("backward_comm_sms", &Config::backward_comm_sms)
       .def_rw("minibatch_size", &Config::minibatch_size)
@@ -272,6 +275,7 @@ void bind_types(nb::module_& m) {
       .def_rw("deterministic", &Config::deterministic)
       .def_rw("backend", &Config::backend)
       .def_rw("kernel_path", &Config::kernel_path)
+      .def_rw("backward_kernel_path", &Config::backward_kernel_path)
       .def(
           "validate", [](const Config& config, const Shape& shape) { validate(config, shape); }, "shape"_a)
       .def("__repr__", &config_repr);

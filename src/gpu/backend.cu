@@ -446,7 +446,8 @@ void check_device_errors(GpuWorkspace& workspace) {
         out << "GPU wait timed out inside the fused kernel on rank " << copy.rank << ": " << which
             << " (index " << copy.peer << ", expected " << copy.expected << ", observed " << copy.observed
             << ") longer than POUNCE_PEER_TIMEOUT_S; a CTA of the kernel failed or never started (another "
-               "kernel holding SMs?). Config.kernel_path = KernelPath::kStaged runs the stage kernels "
+               "kernel holding SMs?). Config.kernel_path (forward) or backward_kernel_path = KernelPath::kStaged "
+               "runs the stage kernels "
                "instead";
         break;
       }
@@ -537,7 +538,7 @@ void backward(GpuWorkspace& workspace, const BackwardArgs& args, void* stream) {
   POUNCE_CHECK(workspace.context_tokens == num_tokens_of(args.inputs), "backward got ",
                num_tokens_of(args.inputs), " tokens but the forward context holds ", workspace.context_tokens,
                "; pass the inputs of the matching forward");
-  if (workspace.config.kernel_path == KernelPath::kFused) {
+  if (workspace.config.backward_kernel_path == KernelPath::kFused) {
     launch_fused_backward(workspace, args, static_cast<cudaStream_t>(stream));
   } else {
     launch_staged_backward(workspace, args, static_cast<cudaStream_t>(stream));

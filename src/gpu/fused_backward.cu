@@ -88,7 +88,7 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
                ", ", I, ", ", Is, "); fix: pad the weights");
   // Communication CTAs are the first to start; with every SM one of them no tile would ever run.
   POUNCE_CHECK(workspace.num_sms >= 2, "the fused kernel needs at least 2 SMs (device ", workspace.device,
-               " has ", workspace.num_sms, "); use Config::kernel_path = KernelPath::kStaged");
+               " has ", workspace.num_sms, "); use Config::backward_kernel_path = KernelPath::kStaged");
   set_fused_backward_shared_limit(workspace.device);
   StageTimer timer("backward", p.rank, stream);
   // The operands are built (and checked) before the prologue queues anything: a refusal after it would

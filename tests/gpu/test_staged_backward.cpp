@@ -657,8 +657,8 @@ TEST(FusedBackward, EqualsStagedBitwise) {
                            : std::vector<Call>{{tokens(500, 499), Routing::kRandom, false, 145},
                                                {tokens(129, 0), Routing::kFewExperts, false, 146}};
           pounce::Config staged, fused;
-          staged.kernel_path = pounce::KernelPath::kStaged;
-          fused.kernel_path = pounce::KernelPath::kFused;
+          staged.kernel_path = staged.backward_kernel_path = pounce::KernelPath::kStaged;
+          fused.kernel_path = fused.backward_kernel_path = pounce::KernelPath::kFused;
           staged.minibatch_size = fused.minibatch_size = minibatch;
           const std::string name = (m == &shared ? "shared expert" : "routed only") + label;
           const auto a = run_and_check(*m, calls, false, "staged, " + name, staged);
@@ -682,6 +682,18 @@ TEST(FusedBackward, EqualsStagedBitwise) {
     }
   }
   unsetenv("POUNCE_FUSED_COMBINE");
+}
+
+// One small case through the fused forward and backward kernels against the reference: the case
+// tools/gpu_sanitize.sh runs under compute-sanitizer (memcheck, racecheck, synccheck).
+TEST(FusedBackward, OneRankSmall) {
+  SKIP_UNLESS_GPUS(1);
+  const Model m =
+      make_model(make_shape(192, 256, 128, 8, 2, 128, 1), clamped(pounce::Activation::swiglu(), 1.5f), 151);
+  pounce::Config config;
+  config.kernel_path = config.backward_kernel_path = pounce::KernelPath::kFused;
+  config.minibatch_size = pounce::kBlockM;
+  run_and_check(m, {{{192}, Routing::kRandom, false, 152}}, false, "fused backward, one rank", config);
 }
 
 // The forward reports the bad id and skips that slot; backward then runs like the reference with -1 there,

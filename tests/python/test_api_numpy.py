@@ -191,10 +191,13 @@ def test_types_presets_build_info():
     shape = pounce.Shape(max_tokens=128, hidden=2048, intermediate=768, num_experts=128, num_topk=8, num_ranks=2)
     assert shape.num_local_experts == 64 and not shape.has_shared_expert
     assert "hidden=2048" in repr(shape) and "precision=bf16" in repr(pounce.Config())
-    # The GPU forward path: the fused kernel by default, the staged chain on request; kept by layer copies.
+    # The GPU paths: the fused forward and the staged backward by default, either on request.
     assert pounce.Config().kernel_path == pounce.KernelPath.fused
+    assert pounce.Config().backward_kernel_path == pounce.KernelPath.staged
     staged = pounce.Config(kernel_path=pounce.KernelPath.staged, minibatch_size=256)
     assert "kernel_path=staged" in repr(staged)
+    fused = pounce.Config(backward_kernel_path=pounce.KernelPath.fused)
+    assert "backward_kernel_path=fused" in repr(fused)
     size = pounce.bytes_required(shape, pounce.Config())
     assert size.symmetric > 0 and size.local > 0 and size.total == size.symmetric + size.local
     assert pounce.Workspace.bytes_required(shape).total == size.total

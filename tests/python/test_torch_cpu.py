@@ -270,6 +270,11 @@ def test_layer_config_copy_keeps_every_field():
     """A layer copies its Config field by field: the kernel path and the rest survive the copy."""
     from pounce.torch import _registry
 
-    config = pounce.Config(kernel_path=pounce.KernelPath.staged, minibatch_size=256, forward_comm_sms=7)
+    config = pounce.Config(
+        kernel_path=pounce.KernelPath.staged,
+        backward_kernel_path=pounce.KernelPath.fused,
+        minibatch_size=256,
+        forward_comm_sms=7,
+    )
     copied = _registry.copy_config(config)
     assert repr(copied) == repr(config)

@@ -110,12 +110,17 @@ Preset bench_preset(const std::string& name) {
 }
 
 void select_impl(const std::string& impl, Config& config) {
-  if (impl == "fused") {
-    config.kernel_path = KernelPath::kFused;  // the persistent fused forward kernel (backward: staged)
-  } else if (impl == "staged") {
-    config.kernel_path = KernelPath::kStaged;  // the chain of standalone stage kernels
+  if (impl == "fused") {  // the defaults: the fused forward kernel, the staged backward
+    config.kernel_path = KernelPath::kFused;
+    config.backward_kernel_path = KernelPath::kStaged;
+  } else if (impl == "fused-all") {  // the fused forward and the fused backward kernel
+    config.kernel_path = KernelPath::kFused;
+    config.backward_kernel_path = KernelPath::kFused;
+  } else if (impl == "staged") {  // the chains of standalone stage kernels
+    config.kernel_path = KernelPath::kStaged;
+    config.backward_kernel_path = KernelPath::kStaged;
   } else {
-    detail::fail("--impl ", impl, " is unknown; choose fused or staged");
+    detail::fail("--impl ", impl, " is unknown; choose fused, fused-all or staged");
   }
 }
 

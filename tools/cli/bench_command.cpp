@@ -151,7 +151,7 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
 
   // Everything that can be wrong with the options fails here, before any GPU work.
   const std::vector<BenchPass> passes = parse_passes(options.passes);
-  POUNCE_CHECK(!options.impls.empty(), "--impl is empty; choose fused or staged");
+  POUNCE_CHECK(!options.impls.empty(), "--impl is empty; choose fused, fused-all or staged");
   for (const std::string& impl : options.impls) {
     Config config;
     select_impl(impl, config);

@@ -68,6 +68,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   run_app->add_option("--kernel", run.kernel, "forward on GPUs: fused (one persistent kernel) | staged")
       ->capture_default_str();
+  run_app->add_option("--backward-kernel", run.backward_kernel, "backward on GPUs: fused | staged")
+      ->capture_default_str();
   add_optional(run_app, check_tokens, "--check-tokens",
                "tokens per rank in the fp64 check (0 = all; default: all on the CPU, 8..64 on GPUs)");
   run_app->add_option("--check-experts", run.check_experts, "experts per rank in the weight-gradient check")
@@ -97,7 +99,7 @@ int main(int argc, char** argv) {
   bench_app->add_option("--tokens", bench.tokens, "tokens per rank to sweep")
       ->delimiter(',')
       ->capture_default_str();
-  bench_app->add_option("--impl", bench.impls, "fused | staged (a list times each)")
+  bench_app->add_option("--impl", bench.impls, "fused (fused forward, staged backward) | fused-all | staged (a list times each)")
       ->delimiter(',')
       ->capture_default_str();
   bench_app

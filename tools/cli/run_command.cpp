@@ -106,7 +106,8 @@ json to_json(const RunOptions& options, const RunSetup& setup, const RunOutcome&
       {"config",
        {{"comm_sms", setup.config.forward_comm_sms},
         {"minibatch_size", setup.config.minibatch_size},
-        {"kernel_path", to_string(setup.config.kernel_path)}}},
+        {"kernel_path", to_string(setup.config.kernel_path)},
+        {"backward_kernel_path", to_string(setup.config.backward_kernel_path)}}},
       {"seed", options.seed},
       {"warmup", setup.warmup},
       {"iters", setup.iters},
@@ -161,7 +162,8 @@ int run_command(const RunOptions& options) {
   if (on_gpu) {
     out << "; forward: " << to_string(setup.config.kernel_path)
         << (setup.config.kernel_path == KernelPath::kFused ? " kernel" : " stage kernels")
-        << ", backward: staged";
+        << ", backward: " << to_string(setup.config.backward_kernel_path)
+        << (setup.config.backward_kernel_path == KernelPath::kFused ? " kernel" : " stage kernels");
   }
   out << "\n";
   if (!on_gpu) {

@@ -35,6 +35,7 @@ _CONFIG_FIELDS = (
     "deterministic",
     "backend",
     "kernel_path",
+    "backward_kernel_path",
 )
 
 
