@@ -13,7 +13,7 @@ sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-san
 filter="${1:-FusedBackward.OneRankSmall:StagedForward.OneRankSmall}"
 out="${OUT:-/tmp}"
 status=0
-for tool in memcheck racecheck synccheck; do
+for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
   timeout "${SANITIZE_TIMEOUT_S:-150}" "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 20 \
     ./build/tests/pounce_gpu_tests --gtest_filter="$filter" > "$out/sanitize_$tool.log" 2>&1
   rc=$?
