@@ -200,71 +200,52 @@ __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss, k
   return true;
 }
 
-// Consumer warpgroup: task -> mainloop + epilogue -> count the tile done (one count per warpgroup).
-__device__ __forceinline__ void run_backward_consumer(kernels::gemm::SharedStorage& ss,
-                                                      TaskSlots<BackwardTask>& slots,
-                                                      const FusedBackwardParams& p, int consumer_idx) {
+// Consumer warpgroup, one task: mainloop + epilogue; `done` is the tile's counter, if any.
+__device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss, kernels::gemm::RingPosition& ring,
+                                             const FusedBackwardParams& p, const BackwardTask& task, int consumer_idx,
+                                             float (&acc)[128], uint32_t*& done) {
   const FusedCounters counters = counters_of(p.ws);
-  kernels::gemm::RingPosition ring;
-  float acc[128];
-  for (uint32_t i = 0;; ++i) {
-    BackwardTask task;
-    if (!take_over(p.ws, slots, i, task) || task.kind == BackwardTaskKind::kEnd) return;
-
-    const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};
-    bool ok = true;
-    uint32_t* done = nullptr;
-    switch (task.kind) {
-      case BackwardTaskKind::kSharedActGrad:
-        ok = kernels::gemm::consume_tile<kActGradGemm>(ss, ring, p.shared_act_grad.args, tile, 0,
+  const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};
+  switch (task.kind) {
+    case BackwardTaskKind::kSharedActGrad:
+      done = counters.first_done(true, task.m_block);
+      return kernels::gemm::consume_tile<kActGradGemm>(ss, ring, p.shared_act_grad.args, tile, 0,
                                                        k_blocks(p.shared_act_grad.args), consumer_idx, acc);
-        done = counters.first_done(true, task.m_block);
-        break;
-      case BackwardTaskKind::kActGrad:
-        ok = kernels::gemm::consume_tile<kActGradGemm>(ss, ring, p.act_grad.args, tile, 0,
+    case BackwardTaskKind::kActGrad:
+      done = counters.first_done(false, task.m_block);
+      return kernels::gemm::consume_tile<kActGradGemm>(ss, ring, p.act_grad.args, tile, 0,
                                                        k_blocks(p.act_grad.args), consumer_idx, acc);
-        done = counters.first_done(false, task.m_block);
-        break;
-      case BackwardTaskKind::kSharedDataGrad:
-        ok = kernels::gemm::consume_tile<kDataGradGemm>(ss, ring, p.shared_data_grad.args, tile, 0,
+    case BackwardTaskKind::kSharedDataGrad:
+      return kernels::gemm::consume_tile<kDataGradGemm>(ss, ring, p.shared_data_grad.args, tile, 0,
                                                         k_blocks(p.shared_data_grad.args), consumer_idx, acc);
-        break;
-      case BackwardTaskKind::kDataGrad:
-        ok = kernels::gemm::multiply_tile<kDataGradGemm>(ss, ring, p.data_grad.args, 0,
-                                                         k_blocks(p.data_grad.args), consumer_idx, acc);
-        if (!ok) break;
-        if (p.push_combine) {
-          kernels::gemm::store_tile<kDataGradGemm>(acc, p.data_grad.args, tile, true, consumer_idx);
-          done = counters.rows_done(task.unit);
-        } else {
-          store_tile_to_slots(acc, p.ws, p.ws.sym_dx_slots, p.data_grad.args.n, task.m_block, task.n_block,
-                              consumer_idx);
-        }
-        break;
-      case BackwardTaskKind::kWeightGrad: {
-        const GroupedGemmArgs& args = p.weight_grad[static_cast<int>(task.weight)].args;
-        int32_t kb_begin, kb_end;
-        weight_grad_k_range(args, task.group, kb_begin, kb_end);
-        ok = kernels::gemm::consume_tile<kWeightGradGemm>(ss, ring, args, tile, kb_begin, kb_end, consumer_idx,
-                                                          acc);
-        break;
+    case BackwardTaskKind::kDataGrad:
+      if (!kernels::gemm::multiply_tile<kDataGradGemm>(ss, ring, p.data_grad.args, 0, k_blocks(p.data_grad.args),
+                                                       consumer_idx, acc))
+        return false;
+      if (p.push_combine) {
+        kernels::gemm::store_tile<kDataGradGemm>(acc, p.data_grad.args, tile, true, consumer_idx);
+        done = counters.rows_done(task.unit);
+      } else {
+        store_tile_to_slots(acc, p.ws, p.ws.sym_dx_slots, p.data_grad.args.n, task.m_block, task.n_block,
+                            consumer_idx);
       }
-      case BackwardTaskKind::kEnd:
-        break;
+      return true;
+    case BackwardTaskKind::kWeightGrad: {
+      const GroupedGemmArgs& args = p.weight_grad[static_cast<int>(task.weight)].args;
+      int32_t kb_begin, kb_end;
+      weight_grad_k_range(args, task.group, kb_begin, kb_end);
+      return kernels::gemm::consume_tile<kWeightGradGemm>(ss, ring, args, tile, kb_begin, kb_end, consumer_idx,
+                                                          acc);
     }
-    if (!ok) {
-      fail(p.ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 1, 0);
-      return;
-    }
-    if (done != nullptr) count_tile_stored(done, consumer_idx);
+    case BackwardTaskKind::kEnd:
+      break;
   }
+  return true;
 }
 
 __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     fused_backward_kernel(const __grid_constant__ FusedBackwardParams params) {
-  extern __shared__ uint8_t smem_raw[];
-  const uintptr_t smem_base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
-  kernels::gemm::SharedStorage& ss = *reinterpret_cast<kernels::gemm::SharedStorage*>(smem_base);
+  kernels::gemm::SharedStorage& ss = stage_storage();
   __shared__ TaskSlots<BackwardTask> slots;
   __shared__ SchedulerStorage<BackwardScheduler> scheduler;
 
@@ -278,23 +259,18 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     plan.second_tiles_per_block = 2u * plan.shape.down_n;
     plan.rows_done_wait = layout::WaitId::kFusedBackwardRowsDone;
     run_communication(
-        ws, slots.go, plan, role, [&](int64_t row) { reverse_combine::pull_scaled_row<4>(ws, row); },
+        ws, slots.go, plan, role, [&](int64_t row) { reverse_combine::pull_scaled_row<8>(ws, row); },
         [&](int64_t row) { combine::push_row<8>(ws, ws.dx_rows, ws.sym_dx_slots, row); });
     return;
   }
-  const int warpgroup_idx = threadIdx.x / 128;
-  if (warpgroup_idx == 0) {
-    kernels::ptx::setmaxnreg_dec<GemmConfig::kProducerRegs>();
-    if (threadIdx.x == 0) {
-      run_producer(params.ws, slots, scheduler.construct(params),
-                   [&](const BackwardTask& task, kernels::gemm::RingPosition& ring) {
-                     return produce_task(ss, ring, params, task);
-                   });
-    }
-  } else {
-    kernels::ptx::setmaxnreg_inc<GemmConfig::kConsumerRegs>();
-    run_backward_consumer(ss, slots, params, warpgroup_idx - 1);
-  }
+  run_compute_cta(
+      params.ws, slots, scheduler, params,
+      [&](const BackwardTask& task, kernels::gemm::RingPosition& ring) {
+        return produce_task(ss, ring, params, task);
+      },
+      [&](const BackwardTask& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done) {
+        return consume_task(ss, ring, params, task, threadIdx.x / 128 - 1, acc, done);
+      });
 }
 
 }  // namespace pounce::fused

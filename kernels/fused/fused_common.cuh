@@ -294,4 +294,47 @@ __device__ __forceinline__ void run_producer(const layout::WorkspacePointers& ws
   }
 }
 
+// A consumer warpgroup: `consume(task, ring, acc, done)` multiplies this warpgroup's rows of one task and
+// stores them (false: a stage never filled, recorded); `done`, when set, is the counter to bump once the
+// warpgroup's stores are all issued.
+template <typename TaskT, typename Consume>
+__device__ __forceinline__ void run_consumer(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
+                                             int consumer_idx, Consume&& consume) {
+  kernels::gemm::RingPosition ring;
+  float acc[128];
+  for (uint32_t i = 0;; ++i) {
+    TaskT task;
+    if (!take_over(ws, slots, i, task) || task.kind == decltype(task.kind)::kEnd) return;
+    uint32_t* done = nullptr;
+    if (!consume(task, ring, acc, done)) {
+      fail(ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 1, 0);
+      return;
+    }
+    if (done != nullptr) count_tile_stored(done, consumer_idx);
+  }
+}
+
+// The dynamic shared memory of a fused kernel: the GEMM's stage ring, 1024-byte aligned (128B swizzle).
+__device__ __forceinline__ kernels::gemm::SharedStorage& stage_storage() {
+  extern __shared__ uint8_t smem_raw[];
+  const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
+  return *reinterpret_cast<kernels::gemm::SharedStorage*>(base);
+}
+
+// A compute CTA: the producer warpgroup gives registers to the consumers; its thread 0 runs the producer
+// loop with the scheduler built from `params` in shared memory, the two consumer warpgroups run `consume`.
+template <typename TaskT, typename Scheduler, typename Params, typename Produce, typename Consume>
+__device__ __forceinline__ void run_compute_cta(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
+                                                SchedulerStorage<Scheduler>& scheduler, const Params& params,
+                                                Produce&& produce, Consume&& consume) {
+  const int warpgroup_idx = threadIdx.x / 128;
+  if (warpgroup_idx == 0) {
+    kernels::ptx::setmaxnreg_dec<GemmConfig::kProducerRegs>();
+    if (threadIdx.x == 0) run_producer(ws, slots, scheduler.construct(params), produce);
+  } else {
+    kernels::ptx::setmaxnreg_inc<GemmConfig::kConsumerRegs>();
+    run_consumer(ws, slots, warpgroup_idx - 1, consume);
+  }
+}
+
 }  // namespace pounce::fused

@@ -136,62 +136,44 @@ __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss, k
   return true;
 }
 
-// Consumer warpgroup: task -> mainloop + epilogue -> count the tile done (one count per warpgroup).
-__device__ __forceinline__ void run_task_consumer(kernels::gemm::SharedStorage& ss, TaskSlots<Task>& slots,
-                                                  const FusedForwardParams& p, int consumer_idx) {
+// Consumer warpgroup, one task: mainloop + epilogue; `done` is the tile's counter, if any.
+__device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss, kernels::gemm::RingPosition& ring,
+                                             const FusedForwardParams& p, const Task& task, int consumer_idx,
+                                             float (&acc)[128], uint32_t*& done) {
   const FusedCounters counters = counters_of(p.ws);
-  kernels::gemm::RingPosition ring;
-  float acc[128];
-  for (uint32_t i = 0;; ++i) {
-    Task task;
-    if (!take_over(p.ws, slots, i, task) || task.kind == TaskKind::kEnd) return;
-
-    const kernels::gemm::Tile tile{task.m_block, task.n_block, 0};
-    bool ok = true;
-    uint32_t* done = nullptr;
-    switch (task.kind) {
-      case TaskKind::kSharedGateUp:
-        ok = kernels::gemm::consume_tile<kGateUpGemm>(ss, ring, p.shared_gate_up, tile, 0,
+  const kernels::gemm::Tile tile{task.m_block, task.n_block, 0};
+  switch (task.kind) {
+    case TaskKind::kSharedGateUp:
+      done = counters.first_done(true, task.m_block);
+      return kernels::gemm::consume_tile<kGateUpGemm>(ss, ring, p.shared_gate_up, tile, 0,
                                                       k_blocks(p.shared_gate_up), consumer_idx, acc);
-        done = counters.first_done(true, task.m_block);
-        break;
-      case TaskKind::kSharedDown:
-        ok = kernels::gemm::consume_tile<kDownGemm>(ss, ring, p.shared_down, tile, 0, k_blocks(p.shared_down),
+    case TaskKind::kSharedDown:
+      return kernels::gemm::consume_tile<kDownGemm>(ss, ring, p.shared_down, tile, 0, k_blocks(p.shared_down),
                                                     consumer_idx, acc);
-        break;
-      case TaskKind::kGateUp:
-        ok = kernels::gemm::consume_tile<kGateUpGemm>(ss, ring, p.gate_up, tile, 0, k_blocks(p.gate_up),
+    case TaskKind::kGateUp:
+      done = counters.first_done(false, task.m_block);
+      return kernels::gemm::consume_tile<kGateUpGemm>(ss, ring, p.gate_up, tile, 0, k_blocks(p.gate_up),
                                                       consumer_idx, acc);
-        done = counters.first_done(false, task.m_block);
-        break;
-      case TaskKind::kDown:
-        ok =
-            kernels::gemm::multiply_tile<kDownGemm>(ss, ring, p.down, 0, k_blocks(p.down), consumer_idx, acc);
-        if (!ok) break;
-        if (p.push_combine) {
-          kernels::gemm::store_tile<kDownGemm>(acc, p.down, tile, true, consumer_idx);
-          done = counters.rows_done(task.unit);
-        } else {
-          store_tile_to_slots(acc, p.ws, p.ws.sym_y_slots, p.down.n, task.m_block, task.n_block, consumer_idx);
-        }
-        break;
-      case TaskKind::kEnd:
-        break;
-    }
-    if (!ok) {
-      fail(p.ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 1, 0);
-      return;
-    }
-    if (done != nullptr) count_tile_stored(done, consumer_idx);
+    case TaskKind::kDown:
+      if (!kernels::gemm::multiply_tile<kDownGemm>(ss, ring, p.down, 0, k_blocks(p.down), consumer_idx, acc))
+        return false;
+      if (p.push_combine) {
+        kernels::gemm::store_tile<kDownGemm>(acc, p.down, tile, true, consumer_idx);
+        done = counters.rows_done(task.unit);
+      } else {
+        store_tile_to_slots(acc, p.ws, p.ws.sym_y_slots, p.down.n, task.m_block, task.n_block, consumer_idx);
+      }
+      return true;
+    case TaskKind::kEnd:
+      break;
   }
+  return true;
 }
 
 __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     fused_forward_kernel(const __grid_constant__ FusedForwardMaps maps,
                          const __grid_constant__ FusedForwardParams params) {
-  extern __shared__ uint8_t smem_raw[];
-  const uintptr_t smem_base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
-  kernels::gemm::SharedStorage& ss = *reinterpret_cast<kernels::gemm::SharedStorage*>(smem_base);
+  kernels::gemm::SharedStorage& ss = stage_storage();
   __shared__ TaskSlots<Task> slots;
   __shared__ SchedulerStorage<ForwardScheduler> scheduler;
 
@@ -209,21 +191,18 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
         [&](int64_t row) { combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row); });
     return;
   }
-  const int warpgroup_idx = threadIdx.x / 128;
-  if (warpgroup_idx == 0) {
-    kernels::ptx::setmaxnreg_dec<GemmConfig::kProducerRegs>();
-    if (threadIdx.x == 0) {
-      for (const CUtensorMap* map : {&maps.x_rows, &maps.act_rows, &maps.gate, &maps.up, &maps.down})
-        kernels::ptx::prefetch_tensor_map(map);
-      run_producer(params.ws, slots, scheduler.construct(params),
-                   [&](const Task& task, kernels::gemm::RingPosition& ring) {
-                     return produce_task(ss, ring, maps, params, task);
-                   });
-    }
-  } else {
-    kernels::ptx::setmaxnreg_inc<GemmConfig::kConsumerRegs>();
-    run_task_consumer(ss, slots, params, warpgroup_idx - 1);
+  if (threadIdx.x == 0) {
+    for (const CUtensorMap* map : {&maps.x_rows, &maps.act_rows, &maps.gate, &maps.up, &maps.down})
+      kernels::ptx::prefetch_tensor_map(map);
   }
+  run_compute_cta(
+      params.ws, slots, scheduler, params,
+      [&](const Task& task, kernels::gemm::RingPosition& ring) {
+        return produce_task(ss, ring, maps, params, task);
+      },
+      [&](const Task& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done) {
+        return consume_task(ss, ring, params, task, threadIdx.x / 128 - 1, acc, done);
+      });
 }
 
 }  // namespace pounce::fused

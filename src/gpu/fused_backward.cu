@@ -13,8 +13,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 
 #include "kernels/fused/fused_backward.cuh"
 #include "src/gpu/gpu_state.h"
@@ -24,18 +22,7 @@
 namespace pounce::gpu {
 namespace {
 
-constexpr int kMaxDevices = 64;
 constexpr size_t kFusedSharedBytes = kernels::gemm::kSharedBytes;
-
-// The opt-in shared-memory limit, once per device.
-void set_fused_backward_shared_limit(int device) {
-  static std::array<std::atomic<bool>, kMaxDevices> ready{};
-  POUNCE_CHECK(device >= 0 && device < kMaxDevices, "device index ", device, " beyond ", kMaxDevices);
-  if (ready[device].load(std::memory_order_acquire)) return;
-  POUNCE_CUDA(cudaFuncSetAttribute(fused::fused_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   static_cast<int>(kFusedSharedBytes)));
-  ready[device].store(true, std::memory_order_release);
-}
 
 // The operands of m's five GEMMs, exactly as the staged path's launchers build them for all groups at once.
 struct MlpOperands {
@@ -89,7 +76,7 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
   // Communication CTAs are the first to start; with every SM one of them no tile would ever run.
   POUNCE_CHECK(workspace.num_sms >= 2, "the fused kernel needs at least 2 SMs (device ", workspace.device,
                " has ", workspace.num_sms, "); use Config::backward_kernel_path = KernelPath::kStaged");
-  set_fused_backward_shared_limit(workspace.device);
+  set_shared_limit_once<fused::fused_backward_kernel>(workspace.device, kFusedSharedBytes);
   StageTimer timer("backward", p.rank, stream);
   // The operands are built (and checked) before the prologue queues anything: a refusal after it would
   // leave the peers at the combine barrier.

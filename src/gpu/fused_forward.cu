@@ -17,8 +17,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -36,18 +34,8 @@ constexpr int kPushUnitBlocks = 16;
 constexpr int kPushCommCtas = 20;
 constexpr int kScatterCommCtas = 4;
 constexpr int kOneRankCommCtas = 8;
-constexpr int kMaxDevices = 64;
 constexpr size_t kFusedSharedBytes = kernels::gemm::kSharedBytes;
 
-// The opt-in shared-memory limit, once per device.
-void set_fused_shared_limit(int device) {
-  static std::array<std::atomic<bool>, kMaxDevices> ready{};
-  POUNCE_CHECK(device >= 0 && device < kMaxDevices, "device index ", device, " beyond ", kMaxDevices);
-  if (ready[device].load(std::memory_order_acquire)) return;
-  POUNCE_CUDA(cudaFuncSetAttribute(fused::fused_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   static_cast<int>(kFusedSharedBytes)));
-  ready[device].store(true, std::memory_order_release);
-}
 
 kernels::gemm::GroupedGemmArgs gemm_args(int64_t n, int64_t k, void* out0, void* out1, void* out2,
                                          const kernels::ActivationParams& activation, int32_t* error_flag) {
@@ -104,7 +92,7 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   // Communication CTAs are the first to start; with every SM one of them no tile would ever run.
   POUNCE_CHECK(workspace.num_sms >= 2, "the fused kernel needs at least 2 SMs (device ", workspace.device,
                " has ", workspace.num_sms, "); use Config::kernel_path = KernelPath::kStaged");
-  set_fused_shared_limit(workspace.device);
+  set_shared_limit_once<fused::fused_forward_kernel>(workspace.device, kFusedSharedBytes);
   StageTimer timer("forward", p.rank, stream);
   const ForwardLaunch launch = launch_forward_prologue(workspace, args, write_out, timer, stream);
 

@@ -5,6 +5,8 @@
 #include <nccl.h>
 #include <nccl_device.h>
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -136,6 +138,18 @@ void launch_backward_epilogue(GpuWorkspace& workspace, const BackwardArgs& args,
 void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream);
 // The same through the fused backward kernel (src/gpu/fused_backward.cu); bitwise the same gradients.
 void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream);
+
+// The opt-in dynamic shared-memory limit of `kKernel` (a persistent kernel holding the GEMM's stage ring),
+// set once per device.
+template <auto kKernel>
+void set_shared_limit_once(int device, size_t bytes) {
+  constexpr int kMaxDevices = 64;
+  static std::array<std::atomic<bool>, kMaxDevices> ready{};
+  POUNCE_CHECK(device >= 0 && device < kMaxDevices, "device index ", device, " beyond ", kMaxDevices);
+  if (ready[device].load(std::memory_order_acquire)) return;
+  POUNCE_CUDA(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  ready[device].store(true, std::memory_order_release);
+}
 
 // Heuristics the fused kernels share (src/gpu/fused_forward.cu): whether the communication CTAs push the
 // combine (else the second GEMM's epilogue scatters into the owners' slots), and how many there are.

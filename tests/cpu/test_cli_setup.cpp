@@ -94,5 +94,28 @@ TEST(CliSetup, CustomShapeNeedsAllDims) {
   EXPECT_THROW(resolve_run(options, choose_backend("cpu", kNoCuda), kNoCuda), Error);
 }
 
+// --kernel picks the forward path, --backward-kernel the backward's (staged unless asked); a typo names the
+// option and the choices.
+TEST(CliSetup, KernelPathsPerPass) {
+  RunOptions options;
+  const RunSetup defaults = resolve_run(options, choose_backend("cpu", kNoCuda), kNoCuda);
+  EXPECT_EQ(defaults.config.kernel_path, KernelPath::kFused);
+  EXPECT_EQ(defaults.config.backward_kernel_path, KernelPath::kStaged);
+  options.kernel = "staged";
+  options.backward_kernel = "fused";
+  const RunSetup swapped = resolve_run(options, choose_backend("cpu", kNoCuda), kNoCuda);
+  EXPECT_EQ(swapped.config.kernel_path, KernelPath::kStaged);
+  EXPECT_EQ(swapped.config.backward_kernel_path, KernelPath::kFused);
+  options.backward_kernel = "fast";
+  try {
+    resolve_run(options, choose_backend("cpu", kNoCuda), kNoCuda);
+    FAIL() << "an unknown backward kernel must throw";
+  } catch (const Error& error) {
+    const std::string message = error.what();
+    EXPECT_NE(message.find("--backward-kernel fast"), std::string::npos) << message;
+    EXPECT_NE(message.find("fused or staged"), std::string::npos) << message;
+  }
+}
+
 }  // namespace
 }  // namespace pounce::cli
