@@ -5,7 +5,7 @@
 //
 // The same machinery as the fused forward (fused_common.cuh): the first `comm_ctas` CTAs to start pull
 // every routed unit's scaled rows dy = bf16(w * d_out) from the token owners and, with the push combine,
-// push finished d_x rows back; the compute CTAs take tickets over the list of sched/backward_tasks.cuh,
+// push finished d_x rows back, then join the compute CTAs for the rest of the list; the compute CTAs take tickets over the list of sched/backward_tasks.cuh,
 // wait for each task's inputs, and run the GEMM mainloop of kernels/gemm on it:
 //   d_a tile    (kDataGradActivation) d_g, d_u = act'(g, u) * (dy . w_down)   -> counts first_done[m]
 //   d_x tile    (kDataGrad)           d_x = [d_g, d_u] . [w_gate; w_up]       -> dx_rows + rows_done[j]
@@ -261,7 +261,8 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     run_communication(
         ws, slots.go, plan, role, [&](int64_t row) { reverse_combine::pull_scaled_row<8>(ws, row); },
         [&](int64_t row) { combine::push_row<8>(ws, ws.dx_rows, ws.sym_dx_slots, row); });
-    return;
+    // The weight-gradient tail needs no transfer: every SM computes it, as the staged path's GEMMs do.
+    turn_to_compute(ss, slots);
   }
   run_compute_cta(
       params.ws, slots, scheduler, params,

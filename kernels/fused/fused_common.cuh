@@ -207,6 +207,21 @@ __device__ __forceinline__ void count_tile_stored(uint32_t* count, int consumer_
   }
 }
 
+// Thread 0 of a compute CTA: the stage ring's and the task slots' mbarriers.
+template <typename TaskT>
+__device__ __forceinline__ void init_compute_barriers(kernels::gemm::SharedStorage& ss, TaskSlots<TaskT>& slots) {
+#pragma unroll
+  for (int s = 0; s < GemmConfig::kNumStages; ++s) {
+    kernels::ptx::mbarrier_init(&ss.full[s], 1);
+    kernels::ptx::mbarrier_init(&ss.empty[s], 4 * GemmConfig::kNumConsumerWarpgroups);
+  }
+  for (int s = 0; s < kTaskSlots; ++s) {
+    kernels::ptx::mbarrier_init(&slots.full[s], 1);
+    kernels::ptx::mbarrier_init(&slots.empty[s], kTaskReaders);
+  }
+  kernels::ptx::fence_mbarrier_init();
+}
+
 // Kernel start: thread 0 takes this CTA's role by arrival; a compute CTA (role >= comm_ctas) initialises
 // the stage ring and the task slots. Returns the role, known to every thread.
 template <typename TaskT>
@@ -214,21 +229,20 @@ __device__ __forceinline__ int32_t start_cta(const layout::WorkspacePointers& ws
                                              kernels::gemm::SharedStorage& ss, TaskSlots<TaskT>& slots) {
   if (threadIdx.x == 0) {
     slots.role = static_cast<int32_t>(atomicAdd(counters_of(ws).role(), 1u));
-    if (slots.role >= comm_ctas) {
-#pragma unroll
-      for (int s = 0; s < GemmConfig::kNumStages; ++s) {
-        kernels::ptx::mbarrier_init(&ss.full[s], 1);
-        kernels::ptx::mbarrier_init(&ss.empty[s], 4 * GemmConfig::kNumConsumerWarpgroups);
-      }
-      for (int s = 0; s < kTaskSlots; ++s) {
-        kernels::ptx::mbarrier_init(&slots.full[s], 1);
-        kernels::ptx::mbarrier_init(&slots.empty[s], kTaskReaders);
-      }
-      kernels::ptx::fence_mbarrier_init();
-    }
+    if (slots.role >= comm_ctas) init_compute_barriers(ss, slots);
   }
   __syncthreads();
   return slots.role;
+}
+
+// A communication CTA whose transfers are all done joins the compute CTAs: it takes tickets from wherever
+// the list is (the backward's weight-gradient tail, typically). Its waits are on tiles handed out before or
+// on the other communication CTAs, which started first and are resident: no new cycle.
+template <typename TaskT>
+__device__ __forceinline__ void turn_to_compute(kernels::gemm::SharedStorage& ss, TaskSlots<TaskT>& slots) {
+  __syncthreads();  // every warp is out of the communication loop
+  if (threadIdx.x == 0) init_compute_barriers(ss, slots);
+  __syncthreads();
 }
 
 // Producer side of the handoff: waits until slot i % kTaskSlots is free, writes the task, arrives. False
