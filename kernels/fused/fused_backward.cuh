@@ -5,8 +5,9 @@
 //
 // The same machinery as the fused forward (fused_common.cuh): the first `comm_ctas` CTAs to start pull
 // every routed unit's scaled rows dy = bf16(w * d_out) from the token owners and, with the push combine,
-// push finished d_x rows back, then join the compute CTAs for the rest of the list; the compute CTAs take tickets over the list of sched/backward_tasks.cuh,
-// wait for each task's inputs, and run the GEMM mainloop of kernels/gemm on it:
+// push finished d_x rows back, then join the compute CTAs for the rest of the list; the compute CTAs take
+// tickets over the list of sched/backward_tasks.cuh, wait for each task's inputs, and run the GEMM mainloop
+// of kernels/gemm on it:
 //   d_a tile    (kDataGradActivation) d_g, d_u = act'(g, u) * (dy . w_down)   -> counts first_done[m]
 //   d_x tile    (kDataGrad)           d_x = [d_g, d_u] . [w_gate; w_up]       -> dx_rows + rows_done[j]
 //                                                                               (push) or the owners'
@@ -47,6 +48,9 @@ struct FusedBackwardParams {
   int32_t unit_blocks;  // m-blocks per minibatch
   bool push_combine;    // true: communication CTAs push dx_rows; false: d_x epilogues scatter into slots
 };
+
+// Kernel parameters above 4 KB need CUDA 12.1+ and a matching driver (this project builds with 13.0).
+static_assert(sizeof(FusedBackwardParams) <= 32764, "fused backward parameters exceed the 32764-byte limit");
 
 __device__ __forceinline__ int32_t n_blocks(const GroupedGemmArgs& args) {
   return (args.n + GemmConfig::BLOCK_N - 1) / GemmConfig::BLOCK_N;
@@ -98,14 +102,20 @@ struct BackwardScheduler {
   __device__ explicit BackwardScheduler(const FusedBackwardParams& params)
       : p(params), shape(task_shape_of(params)), cursor(shape) {}
 
-  __device__ bool act_grads_done(bool shared, int32_t m_block) const {
+  // Waits of one task share one deadline (`deadline_ns`, global timer; 0 = the call's timeout per wait).
+  __device__ static uint64_t left_until(uint64_t deadline_ns) {
+    if (deadline_ns == 0) return 0;
+    const uint64_t now = flags::global_timer_ns();
+    return now < deadline_ns ? deadline_ns - now : 1;
+  }
+  __device__ bool act_grads_done(bool shared, int32_t m_block, uint64_t deadline_ns = 0) const {
     const uint32_t expected = 2u * (shared ? shape.data.shared_gate_up_n : shape.data.gate_up_n);
     return wait_count(p.ws, counters_of(p.ws).first_done(shared, m_block), expected,
-                      layout::WaitId::kFusedActGradDone, m_block);
+                      layout::WaitId::kFusedActGradDone, m_block, left_until(deadline_ns));
   }
-  __device__ bool rows_ready(int32_t j) const {
+  __device__ bool rows_ready(int32_t j, uint64_t deadline_ns = 0) const {
     return wait_count(p.ws, counters_of(p.ws).rows_ready(j), static_cast<uint32_t>(p.comm_ctas),
-                      layout::WaitId::kFusedBackwardRowsReady, j);
+                      layout::WaitId::kFusedBackwardRowsReady, j, left_until(deadline_ns));
   }
 
   // Inputs of one weight-gradient tile: dy of the expert's units (down) or d_g, d_u of its m-blocks.
@@ -114,6 +124,7 @@ struct BackwardScheduler {
     if (kind == checked_weight && task.group == checked_group) return true;
     if (task.weight == WeightGradKind::kSharedDown) return true;  // sym_d_out and the forward's act
     const bool shared = sched::is_shared(task.weight);
+    const uint64_t deadline = flags::global_timer_ns() + p.ws.timeout_ns;  // one bound for the whole check
     int32_t m_begin = 0, m_end = shape.data.shared_m_blocks;
     if (!shared) {
       m_begin = min(p.ws.group_row_offset[task.group] / GemmConfig::BLOCK_M, shape.data.routed_m_blocks);
@@ -127,11 +138,11 @@ struct BackwardScheduler {
       const int32_t unit_blocks = shape.data.unit_blocks;
       for (int32_t j = m_begin / unit_blocks; !all_rows_ready && m_end > m_begin && j <= (m_end - 1) / unit_blocks;
            ++j) {
-        if (!rows_ready(j)) return false;
+        if (!rows_ready(j, deadline)) return false;
       }
     } else {
       for (int32_t m = m_begin; m < m_end; ++m) {
-        if (!act_grads_done(shared, m)) return false;
+        if (!act_grads_done(shared, m, deadline)) return false;
       }
     }
     checked_weight = kind;

@@ -81,10 +81,14 @@ __device__ __forceinline__ void fail(const layout::WorkspacePointers& ws, layout
   atomicExch(counters_of(ws).abort(), 1u);
 }
 
+// `timeout_ns` defaults to the call's; a task with several waits passes what is left of one deadline, so the
+// producer never waits longer than the consumers' handoff bound (twice the call's) allows.
 __device__ __forceinline__ bool wait_count(const layout::WorkspacePointers& ws, const uint32_t* count,
-                                           uint32_t expected, layout::WaitId which, int64_t index) {
+                                           uint32_t expected, layout::WaitId which, int64_t index,
+                                           uint64_t timeout_ns = 0) {
   const uint32_t* abort = counters_of(ws).abort();
-  const uint32_t observed = flags::wait_count_gpu(count, expected, abort, ws.timeout_ns);
+  const uint32_t observed =
+      flags::wait_count_gpu(count, expected, abort, timeout_ns > 0 ? timeout_ns : ws.timeout_ns);
   if (observed >= expected) return true;
   if (flags::ld_relaxed_gpu(abort) == 0) fail(ws, which, index, expected, observed);
   return false;

@@ -131,9 +131,9 @@ struct WorkspaceLayout {
   int64_t loc_shared_u = 0;           // bf16 [token_capacity][Is]
   int64_t loc_shared_act = 0;         // bf16 [token_capacity][Is]
   int64_t loc_shared_y = 0;           // bf16 [token_capacity][H]    (0 bytes when Is = 0)
-  // fused forward only: uint32 [kFusedHeaderWords + 3 * max_m_blocks + token_blocks], max_m_blocks =
+  // fused kernels only: uint32 [kFusedHeaderWords + 3 * max_m_blocks + token_blocks], max_m_blocks =
   // rows_capacity / 128, token_blocks = token_capacity / 128: rows_ready and rows_done per minibatch (at
-  // most one per m-block), then gate_up_done per shared and per routed m-block
+  // most one per m-block), then first_done (gate/up; d_a) per shared and per routed m-block
   int64_t loc_fused_counters = 0;
   int64_t fused_counter_words = 0;
   // backward only (nothing here is forward context)

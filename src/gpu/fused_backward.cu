@@ -84,9 +84,11 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
   const kernels::ActivationParams activation = activation_params(workspace.config.activation);
   const MlpOperands routed =
       mlp_operands(routed_mlp_backward(p, args, 0), H, activation, args.accumulate_weight_grads, gemm_error);
+  // Without a shared expert the task list has no shared tiles; null operands would fault, not write the
+  // routed gradients, should that ever change.
   const MlpOperands shared = Is > 0 ? mlp_operands(shared_mlp_backward(p, args, 0), H, activation,
                                                    args.accumulate_weight_grads, gemm_error)
-                                    : routed;  // never read: the task list has no shared tiles
+                                    : MlpOperands{};
 
   fused::FusedBackwardParams params{};
   params.ws = p;
