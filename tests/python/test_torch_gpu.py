@@ -157,6 +157,19 @@ def test_forward_and_gradients_match_pytorch(world, tokens, shared):
     agree(lambda: require(all(torch.equal(a, b) for a, b in zip(got, again)), "two runs differ (determinism)"))
 
 
+def test_fused_backward_kernel_equals_staged(world):
+    """Config.backward_kernel_path = fused: the same gradients as the staged backward, bit for bit."""
+    rank, R, _ = world
+    inputs, routed, shared_w = make_inputs(R, [300, 129], seed=17, shared=IS)
+    staged = make_module(routed, shared_w, config=pounce.Config(backward_kernel_path=pounce.KernelPath.staged))
+    fused = make_module(routed, shared_w, config=pounce.Config(backward_kernel_path=pounce.KernelPath.fused))
+    got_staged = step(staged, *inputs[rank])
+    got_fused = step(fused, *inputs[rank])
+    check_against_reference(rank, fused, got_fused, inputs, routed, shared_w)
+    agree(lambda: require(all(torch.equal(a, b) for a, b in zip(got_staged, got_fused)),
+                          "fused and staged backward differ"))
+
+
 def test_gpt_oss_and_all_tokens_to_one_expert(world):
     rank, R, _ = world
     inputs, routed, _ = make_inputs(R, [257, 64], seed=5, one_expert=E - 1)
