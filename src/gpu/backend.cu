@@ -15,6 +15,7 @@
 #include <sstream>
 #include <thread>
 
+#include "kernels/gemm/grouped_gemm_kernel.cuh"  // WaitError: the fused kernels' stage-ring failures
 #include "src/gpu/gpu_state.h"
 
 namespace pounce::gpu {
@@ -430,11 +431,18 @@ void check_device_errors(GpuWorkspace& workspace) {
   const layout::DeviceErrorRecord copy{code,          record->wait_id,  record->rank,
                                        record->peer,  record->expected, record->observed,
                                        record->token, record->slot};
-  // Clear for the next call: host record first, then the device claim flag on a private stream.
+  // Clear for the next call: host record first, then the device claim flag on a private stream. A fused
+  // kernel's stage-ring failure leaves its GEMM WaitError in the counter header: read it for the message
+  // (the kernel has ended: the record is written last by a failing CTA, and the call synchronised).
   record->code = 0;
+  int32_t gemm_error = 0;
   {
     DeviceGuard guard(workspace.device);
     const auto p = workspace.pointers();
+    if (copy.wait_id == static_cast<int32_t>(layout::WaitId::kFusedTaskHandoff)) {
+      POUNCE_CUDA(cudaMemcpyAsync(&gemm_error, p.fused_counters + layout::kFusedGemmError, sizeof(gemm_error),
+                                  cudaMemcpyDeviceToHost, workspace.side_stream));
+    }
     POUNCE_CUDA(cudaMemsetAsync(p.error_claim, 0, sizeof(int32_t), workspace.side_stream));
     POUNCE_CUDA(cudaStreamSynchronize(workspace.side_stream));
   }
@@ -444,8 +452,13 @@ void check_device_errors(GpuWorkspace& workspace) {
       const char* which = wait_name(static_cast<layout::WaitId>(copy.wait_id));
       if (copy.wait_id >= static_cast<int32_t>(layout::WaitId::kFusedRowsReady)) {
         out << "GPU wait timed out inside the fused kernel on rank " << copy.rank << ": " << which
-            << " (index " << copy.peer << ", expected " << copy.expected << ", observed " << copy.observed
-            << ") longer than POUNCE_PEER_TIMEOUT_S; a CTA of the kernel failed or never started (another "
+            << " (index " << copy.peer << ", expected " << copy.expected << ", observed " << copy.observed;
+        if (gemm_error == static_cast<int32_t>(kernels::gemm::WaitError::kFullStage)) {
+          out << "; a consumer waited for a stage's TMA bytes";
+        } else if (gemm_error == static_cast<int32_t>(kernels::gemm::WaitError::kEmptyStage)) {
+          out << "; the producer waited for a free stage";
+        }
+        out << ") longer than POUNCE_PEER_TIMEOUT_S; a CTA of the kernel failed or never started (another "
                "kernel holding SMs?). Config.kernel_path (forward) or backward_kernel_path = KernelPath::kStaged "
                "runs the stage kernels "
                "instead";
