@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 PASS_ORDER = ["forward", "backward", "forward_backward"]
 PASS_MARKERS = {"forward": "o", "backward": "^", "forward_backward": "s"}
-IMPL_STYLES = {"fused": "-", "staged": "-", "baseline": "--"}
+IMPL_STYLES = {"fused": "-", "fused-all": "-", "staged": "-", "baseline": "--"}
 
 
 def load_records(paths):
