@@ -64,7 +64,8 @@ __device__ __forceinline__ sched::BackwardTaskShape task_shape_of(const FusedBac
   const int32_t token_blocks = static_cast<int32_t>(p.ws.token_capacity / GemmConfig::BLOCK_M);
   data.shared_m_blocks = has_shared ? min(p.ws.shared_row_offset[1] / GemmConfig::BLOCK_M, token_blocks) : 0;
   // Beyond the capacity only with an overflowing schedule (already reported); never touch those rows.
-  data.routed_m_blocks = min(p.ws.group_row_offset[p.ws.num_local_experts] / GemmConfig::BLOCK_M, max_m_blocks);
+  data.routed_m_blocks =
+      min(p.ws.group_row_offset[p.ws.num_local_experts] / GemmConfig::BLOCK_M, max_m_blocks);
   data.unit_blocks = p.unit_blocks;
   data.shared_gate_up_n = has_shared ? n_blocks(p.shared_act_grad.args) : 0;
   data.shared_down_n = has_shared ? n_blocks(p.shared_data_grad.args) : 0;
@@ -133,11 +134,12 @@ struct BackwardScheduler {
     if (task.weight == WeightGradKind::kDown) {
       const int32_t units = shape.data.routed_units();
       if (!all_rows_ready && units > 0 &&
-          flags::ld_acquire_gpu(counters_of(p.ws).rows_ready(units - 1)) >= static_cast<uint32_t>(p.comm_ctas))
+          flags::ld_acquire_gpu(counters_of(p.ws).rows_ready(units - 1)) >=
+              static_cast<uint32_t>(p.comm_ctas))
         all_rows_ready = true;
       const int32_t unit_blocks = shape.data.unit_blocks;
-      for (int32_t j = m_begin / unit_blocks; !all_rows_ready && m_end > m_begin && j <= (m_end - 1) / unit_blocks;
-           ++j) {
+      for (int32_t j = m_begin / unit_blocks;
+           !all_rows_ready && m_end > m_begin && j <= (m_end - 1) / unit_blocks; ++j) {
         if (!rows_ready(j, deadline)) return false;
       }
     } else {
@@ -180,8 +182,9 @@ struct BackwardScheduler {
 };
 
 // Producer thread, then: the task's stages into the ring.
-__device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss, kernels::gemm::RingPosition& ring,
-                                             const FusedBackwardParams& p, const BackwardTask& task) {
+__device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss,
+                                             kernels::gemm::RingPosition& ring, const FusedBackwardParams& p,
+                                             const BackwardTask& task) {
   auto produce = [&](auto kind_tag, const kernels::GemmOperands& o, int32_t group, int32_t kb_begin,
                      int32_t kb_end) {
     constexpr kernels::gemm::GemmKind kKind = decltype(kind_tag)::value;
@@ -212,9 +215,10 @@ __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss, k
 }
 
 // Consumer warpgroup, one task: mainloop + epilogue; `done` is the tile's counter, if any.
-__device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss, kernels::gemm::RingPosition& ring,
-                                             const FusedBackwardParams& p, const BackwardTask& task, int consumer_idx,
-                                             float (&acc)[128], uint32_t*& done) {
+__device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
+                                             kernels::gemm::RingPosition& ring, const FusedBackwardParams& p,
+                                             const BackwardTask& task, int consumer_idx, float (&acc)[128],
+                                             uint32_t*& done) {
   const FusedCounters counters = counters_of(p.ws);
   const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};
   switch (task.kind) {
@@ -230,8 +234,8 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss, k
       return kernels::gemm::consume_tile<kDataGradGemm>(ss, ring, p.shared_data_grad.args, tile, 0,
                                                         k_blocks(p.shared_data_grad.args), consumer_idx, acc);
     case BackwardTaskKind::kDataGrad:
-      if (!kernels::gemm::multiply_tile<kDataGradGemm>(ss, ring, p.data_grad.args, 0, k_blocks(p.data_grad.args),
-                                                       consumer_idx, acc))
+      if (!kernels::gemm::multiply_tile<kDataGradGemm>(ss, ring, p.data_grad.args, 0,
+                                                       k_blocks(p.data_grad.args), consumer_idx, acc))
         return false;
       if (p.push_combine) {
         kernels::gemm::store_tile<kDataGradGemm>(acc, p.data_grad.args, tile, true, consumer_idx);
@@ -245,8 +249,8 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss, k
       const GroupedGemmArgs& args = p.weight_grad[static_cast<int>(task.weight)].args;
       int32_t kb_begin, kb_end;
       weight_grad_k_range(args, task.group, kb_begin, kb_end);
-      return kernels::gemm::consume_tile<kWeightGradGemm>(ss, ring, args, tile, kb_begin, kb_end, consumer_idx,
-                                                          acc);
+      return kernels::gemm::consume_tile<kWeightGradGemm>(ss, ring, args, tile, kb_begin, kb_end,
+                                                          consumer_idx, acc);
     }
     case BackwardTaskKind::kEnd:
       break;

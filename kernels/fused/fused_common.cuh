@@ -160,7 +160,8 @@ __device__ __forceinline__ void run_communication(const layout::WorkspacePointer
     if (threadIdx.x == 0) {
       const uint32_t expected = plan.second_tiles_per_block * shape.routed_blocks(j);
       const uint32_t* done = counters.rows_done(j);
-      ready = block ? wait_count(ws, done, expected, plan.rows_done_wait, j) : flags::ld_acquire_gpu(done) >= expected;
+      ready = block ? wait_count(ws, done, expected, plan.rows_done_wait, j)
+                    : flags::ld_acquire_gpu(done) >= expected;
     }
     return cta_broadcast(go, ready);
   };
@@ -188,9 +189,10 @@ __device__ __forceinline__ void run_communication(const layout::WorkspacePointer
 // Scatter epilogue of a second-GEMM tile: row r of the tile belongs to schedule[r] = (src_rank, src_token,
 // slot); its bf16 values go straight to peer(src_rank)'s slot region `sym_slots` at (src_token, slot)
 // (padding rows nowhere), packed as every bf16 epilogue packs.
-__device__ __forceinline__ void store_tile_to_slots(const float (&acc)[128], const layout::WorkspacePointers& ws,
-                                                    int64_t sym_slots, int32_t n, int32_t m_block,
-                                                    int32_t n_block, int consumer_idx) {
+__device__ __forceinline__ void store_tile_to_slots(const float (&acc)[128],
+                                                    const layout::WorkspacePointers& ws, int64_t sym_slots,
+                                                    int32_t n, int32_t m_block, int32_t n_block,
+                                                    int consumer_idx) {
   const int64_t row = kernels::gemm::tile_row(m_block, consumer_idx);
   __nv_bfloat16* row_base[2];
 #pragma unroll
@@ -213,7 +215,8 @@ __device__ __forceinline__ void count_tile_stored(uint32_t* count, int consumer_
 
 // Thread 0 of a compute CTA: the stage ring's and the task slots' mbarriers.
 template <typename TaskT>
-__device__ __forceinline__ void init_compute_barriers(kernels::gemm::SharedStorage& ss, TaskSlots<TaskT>& slots) {
+__device__ __forceinline__ void init_compute_barriers(kernels::gemm::SharedStorage& ss,
+                                                      TaskSlots<TaskT>& slots) {
 #pragma unroll
   for (int s = 0; s < GemmConfig::kNumStages; ++s) {
     kernels::ptx::mbarrier_init(&ss.full[s], 1);

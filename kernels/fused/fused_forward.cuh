@@ -104,32 +104,34 @@ struct ForwardScheduler {
     } else if (task.kind == TaskKind::kDown || task.kind == TaskKind::kSharedDown) {
       const bool shared = task.kind == TaskKind::kSharedDown;
       const uint32_t expected = 2u * (shared ? shape.shared_gate_up_n : shape.gate_up_n);
-      ready = wait_count(p.ws, counters.first_done(shared, task.m_block), expected, layout::WaitId::kFusedGateUpDone,
-                         task.m_block);
+      ready = wait_count(p.ws, counters.first_done(shared, task.m_block), expected,
+                         layout::WaitId::kFusedGateUpDone, task.m_block);
     }
     if (!ready) task.kind = TaskKind::kEnd;
   }
 };
 
 // Producer thread, then: the task's stages into the ring.
-__device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss, kernels::gemm::RingPosition& ring,
-                                             const FusedForwardMaps& maps, const FusedForwardParams& p,
-                                             const Task& task) {
+__device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss,
+                                             kernels::gemm::RingPosition& ring, const FusedForwardMaps& maps,
+                                             const FusedForwardParams& p, const Task& task) {
   const bool routed = task.kind == TaskKind::kGateUp || task.kind == TaskKind::kDown;
-  const kernels::gemm::Tile tile{task.m_block, task.n_block, routed ? expert_of_block(p.ws, task.m_block) : 0};
+  const kernels::gemm::Tile tile{task.m_block, task.n_block,
+                                 routed ? expert_of_block(p.ws, task.m_block) : 0};
   switch (task.kind) {
     case TaskKind::kSharedGateUp:
       return kernels::gemm::produce_tile<kGateUpGemm>(ss, ring, maps.sym_x, maps.shared_gate, maps.shared_up,
                                                       p.shared_gate_up, tile, 0, k_blocks(p.shared_gate_up));
     case TaskKind::kSharedDown:
-      return kernels::gemm::produce_tile<kDownGemm>(ss, ring, maps.shared_act, maps.shared_down, maps.shared_down,
-                                                    p.shared_down, tile, 0, k_blocks(p.shared_down));
+      return kernels::gemm::produce_tile<kDownGemm>(ss, ring, maps.shared_act, maps.shared_down,
+                                                    maps.shared_down, p.shared_down, tile, 0,
+                                                    k_blocks(p.shared_down));
     case TaskKind::kGateUp:
-      return kernels::gemm::produce_tile<kGateUpGemm>(ss, ring, maps.x_rows, maps.gate, maps.up, p.gate_up, tile, 0,
-                                                      k_blocks(p.gate_up));
+      return kernels::gemm::produce_tile<kGateUpGemm>(ss, ring, maps.x_rows, maps.gate, maps.up, p.gate_up,
+                                                      tile, 0, k_blocks(p.gate_up));
     case TaskKind::kDown:
-      return kernels::gemm::produce_tile<kDownGemm>(ss, ring, maps.act_rows, maps.down, maps.down, p.down, tile, 0,
-                                                    k_blocks(p.down));
+      return kernels::gemm::produce_tile<kDownGemm>(ss, ring, maps.act_rows, maps.down, maps.down, p.down,
+                                                    tile, 0, k_blocks(p.down));
     case TaskKind::kEnd:
       break;
   }
@@ -137,9 +139,10 @@ __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss, k
 }
 
 // Consumer warpgroup, one task: mainloop + epilogue; `done` is the tile's counter, if any.
-__device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss, kernels::gemm::RingPosition& ring,
-                                             const FusedForwardParams& p, const Task& task, int consumer_idx,
-                                             float (&acc)[128], uint32_t*& done) {
+__device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
+                                             kernels::gemm::RingPosition& ring, const FusedForwardParams& p,
+                                             const Task& task, int consumer_idx, float (&acc)[128],
+                                             uint32_t*& done) {
   const FusedCounters counters = counters_of(p.ws);
   const kernels::gemm::Tile tile{task.m_block, task.n_block, 0};
   switch (task.kind) {

@@ -35,9 +35,9 @@ GemmOperands store_operands(const GroupedRows& rows, const void* a, const void* 
 GemmOperands gate_up_operands(const GroupedRows& rows, const void* a, const void* w_gate, const void* w_up,
                               void* g, void* u, void* act, int64_t n, int64_t k,
                               const ActivationParams& activation);
-GemmOperands activation_backward_operands(const GroupedRows& rows, const void* a, const void* w, const void* g,
-                                          const void* u, void* d_g, void* d_u, int64_t d_ld, int64_t n,
-                                          int64_t k, const ActivationParams& activation);
+GemmOperands activation_backward_operands(const GroupedRows& rows, const void* a, const void* w,
+                                          const void* g, const void* u, void* d_g, void* d_u, int64_t d_ld,
+                                          int64_t n, int64_t k, const ActivationParams& activation);
 GemmOperands transposed_operands(const GroupedRows& rows, const void* a, const void* b0, const void* b1,
                                  int64_t k_split, void* c, int64_t n, int64_t k);
 GemmOperands weight_grad_operands(const GroupedRows& rows, const void* a, int64_t a_ld, int64_t m,

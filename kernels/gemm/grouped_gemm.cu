@@ -219,9 +219,9 @@ GemmOperands gate_up_operands(const GroupedRows& rows, const void* a, const void
   return o;
 }
 
-GemmOperands activation_backward_operands(const GroupedRows& rows, const void* a, const void* w, const void* g,
-                                          const void* u, void* d_g, void* d_u, int64_t d_ld, int64_t n,
-                                          int64_t k, const ActivationParams& activation) {
+GemmOperands activation_backward_operands(const GroupedRows& rows, const void* a, const void* w,
+                                          const void* g, const void* u, void* d_g, void* d_u, int64_t d_ld,
+                                          int64_t n, int64_t k, const ActivationParams& activation) {
   check_common(rows, a, n, k);
   check_output(w, "w");
   check_output(g, "g");

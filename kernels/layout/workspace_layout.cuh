@@ -61,10 +61,10 @@ enum class WaitId : int32_t {
   kBackwardInputsBarrier = 3,   // backward: d_out and topk_weights staged for the owners' pulls
   kBackwardCombineBarrier = 4,  // backward: d_x pairs pushed
   // Inside the fused kernels (one GPU; `peer` is the minibatch or m-block waited on):
-  kFusedRowsReady = 5,    // compute CTA: a minibatch's rows pulled by every communication CTA
-  kFusedGateUpDone = 6,   // compute CTA: every gate/up tile of an m-block stored, before its down tiles
-  kFusedRowsDone = 7,     // communication CTA: every down tile of a minibatch stored, before its push
-  kFusedTaskHandoff = 8,  // producer <-> consumer warpgroups of one CTA (task slots, stage ring)
+  kFusedRowsReady = 5,          // compute CTA: a minibatch's rows pulled by every communication CTA
+  kFusedGateUpDone = 6,         // compute CTA: every gate/up tile of an m-block stored, before its down tiles
+  kFusedRowsDone = 7,           // communication CTA: every down tile of a minibatch stored, before its push
+  kFusedTaskHandoff = 8,        // producer <-> consumer warpgroups of one CTA (task slots, stage ring)
   kFusedBackwardRowsReady = 9,  // backward compute CTA: a minibatch's dy rows pulled
   kFusedActGradDone = 10,       // backward compute CTA: every d_a tile of an m-block stored
   kFusedBackwardRowsDone = 11,  // backward communication CTA: every d_x tile of a minibatch, before its push

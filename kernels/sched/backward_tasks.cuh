@@ -48,9 +48,9 @@ struct BackwardTask {
   BackwardTaskKind kind;
   int32_t m_block;  // data: row block; weight: output row block of the gradient matrix
   int32_t n_block;
-  int32_t unit;             // data: unit (routed index for routed tasks)
-  int32_t group;            // weight: expert (0 for the shared expert)
-  WeightGradKind weight;    // weight only
+  int32_t unit;           // data: unit (routed index for routed tasks)
+  int32_t group;          // weight: expert (0 for the shared expert)
+  WeightGradKind weight;  // weight only
 };
 
 // Output tiles of one weight gradient: groups x [m, n] matrices, m_blocks x n_blocks tiles each.

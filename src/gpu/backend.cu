@@ -459,7 +459,8 @@ void check_device_errors(GpuWorkspace& workspace) {
           out << "; the producer waited for a free stage";
         }
         out << ") longer than POUNCE_PEER_TIMEOUT_S; a CTA of the kernel failed or never started (another "
-               "kernel holding SMs?). Config.kernel_path (forward) or backward_kernel_path = KernelPath::kStaged "
+               "kernel holding SMs?). Config.kernel_path (forward) or backward_kernel_path = "
+               "KernelPath::kStaged "
                "runs the stage kernels "
                "instead";
         break;

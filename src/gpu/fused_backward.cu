@@ -37,8 +37,8 @@ MlpOperands mlp_operands(const MlpBackward& m, int64_t H, const kernels::Activat
   MlpOperands o;
   o.act_grad = kernels::activation_backward_operands(m.rows, m.dy, m.weights.down.data, m.g, m.u, m.d_gu, d_u,
                                                      2 * I, I, H, activation);
-  o.data_grad = kernels::transposed_operands(m.rows, m.d_gu, m.weights.gate.data, m.weights.up.data, I, m.dx,
-                                             H, 2 * I);
+  o.data_grad =
+      kernels::transposed_operands(m.rows, m.d_gu, m.weights.gate.data, m.weights.up.data, I, m.dx, H, 2 * I);
   o.down = kernels::weight_grad_operands(m.rows, m.dy, H, H, m.act, I, I, m.grads->down.data,
                                          weight_grad_mode(m.grads->down, accumulate));
   o.gate = kernels::weight_grad_operands(m.rows, m.d_gu, 2 * I, I, m.x, H, H, m.grads->gate.data,
@@ -55,12 +55,13 @@ MlpOperands mlp_operands(const MlpBackward& m, int64_t H, const kernels::Activat
 // between them (the forward's 8 m-blocks on deepseek: 64 d_a tiles for 128 CTAs) d_x tiles wait on d_a
 // mainloops still running. config.minibatch_size overrides.
 int32_t backward_unit_blocks(const GpuWorkspace& workspace, int comm_ctas) {
-  const int64_t act_grad_n = std::max<int64_t>(1, layout::ceil_div(workspace.layout.intermediate,
-                                                                    kernels::gemm::GemmConfig::BLOCK_N));
+  const int64_t act_grad_n = std::max<int64_t>(
+      1, layout::ceil_div(workspace.layout.intermediate, kernels::gemm::GemmConfig::BLOCK_N));
   const int64_t compute_ctas = std::max(1, workspace.num_sms - comm_ctas);
   const int64_t minibatch = workspace.config.minibatch_size;
   const int64_t max_m_blocks = std::max<int64_t>(1, workspace.layout.rows_capacity / layout::kBlockM);
-  const int64_t blocks = minibatch > 0 ? minibatch / layout::kBlockM : layout::ceil_div(compute_ctas, act_grad_n);
+  const int64_t blocks =
+      minibatch > 0 ? minibatch / layout::kBlockM : layout::ceil_div(compute_ctas, act_grad_n);
   return static_cast<int32_t>(std::clamp<int64_t>(blocks, 1, max_m_blocks));
 }
 

@@ -36,7 +36,6 @@ constexpr int kScatterCommCtas = 4;
 constexpr int kOneRankCommCtas = 8;
 constexpr size_t kFusedSharedBytes = kernels::gemm::kSharedBytes;
 
-
 kernels::gemm::GroupedGemmArgs gemm_args(int64_t n, int64_t k, void* out0, void* out1, void* out2,
                                          const kernels::ActivationParams& activation, int32_t* error_flag) {
   kernels::gemm::GroupedGemmArgs args{};

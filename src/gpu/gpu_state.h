@@ -147,7 +147,8 @@ void set_shared_limit_once(int device, size_t bytes) {
   static std::array<std::atomic<bool>, kMaxDevices> ready{};
   POUNCE_CHECK(device >= 0 && device < kMaxDevices, "device index ", device, " beyond ", kMaxDevices);
   if (ready[device].load(std::memory_order_acquire)) return;
-  POUNCE_CUDA(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  POUNCE_CUDA(
+      cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   ready[device].store(true, std::memory_order_release);
 }
 

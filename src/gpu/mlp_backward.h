@@ -21,7 +21,8 @@ struct MlpBackward {
 
 inline kernels::WeightGradMode weight_grad_mode(const TensorView& grad, bool accumulate) {
   if (accumulate) return kernels::WeightGradMode::kAccumulateF32;
-  return grad.dtype == DType::kFP32 ? kernels::WeightGradMode::kStoreF32 : kernels::WeightGradMode::kStoreBf16;
+  return grad.dtype == DType::kFP32 ? kernels::WeightGradMode::kStoreF32
+                                    : kernels::WeightGradMode::kStoreBf16;
 }
 
 // The shared expert's [1, Is, H] / [1, H, Is] view of its 2-D weights, so expert_slice applies.

@@ -1,7 +1,8 @@
 // The staged backward (DESIGN.md §1, §4): the chain of standalone stage kernels that the fused backward
-// kernel (src/gpu/fused_backward.cu) runs as one launch between the same prologue and epilogue. Stream-ordered, nothing allocated, no routing count read on the host: the schedule,
-// row offsets and routed activations of the forward context drive every kernel on the device, so the whole
-// chain is capturable in a CUDA graph together with the forward.
+// kernel (src/gpu/fused_backward.cu) runs as one launch between the same prologue and epilogue.
+// Stream-ordered, nothing allocated, no routing count read on the host: the schedule, row offsets and routed
+// activations of the forward context drive every kernel on the device, so the whole chain is capturable in a
+// CUDA graph together with the forward.
 //
 //   token side   stage d_out, topk_weights -> router gradient <d_out, y> from the forward's slots -> barrier
 //   shared       the MLP backward on the rank's own rows with dy = d_out, and its weight gradients

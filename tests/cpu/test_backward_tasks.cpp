@@ -53,7 +53,8 @@ void check_shape(const BackwardTaskShape& shape) {
       last_data = t;
       const bool shared = is_shared(task.kind), act = is_act_grad(task.kind);
       const int32_t m_blocks = shared ? d.shared_m_blocks : d.routed_m_blocks;
-      const int32_t n_blocks = shared ? (act ? d.shared_gate_up_n : d.shared_down_n) : (act ? d.gate_up_n : d.down_n);
+      const int32_t n_blocks =
+          shared ? (act ? d.shared_gate_up_n : d.shared_down_n) : (act ? d.gate_up_n : d.down_n);
       ASSERT_GE(task.m_block, 0);
       ASSERT_LT(task.m_block, m_blocks) << "ticket " << t;
       ASSERT_GE(task.n_block, 0);
@@ -147,9 +148,9 @@ TEST(BackwardTasks, RandomShapes) {
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); };
   for (int i = 0; i < 200; ++i) {
     const bool shared = pick(0, 1) == 1;
-    const pounce::sched::ForwardTaskShape data{shared ? pick(0, 20) : 0, pick(0, 60), pick(1, 12),
-                                               shared ? pick(1, 5) : 0, shared ? pick(1, 5) : 0,
-                                               pick(1, 5), pick(1, 5)};
+    const pounce::sched::ForwardTaskShape data{
+        shared ? pick(0, 20) : 0, pick(0, 60), pick(1, 12), shared ? pick(1, 5) : 0,
+        shared ? pick(1, 5) : 0,  pick(1, 5),  pick(1, 5)};
     SCOPED_TRACE(::testing::Message() << "shape " << i);
     check_shape(make_shape(data, pick(1, 9), shared, pick(1, 4), pick(1, 4)));
     if (::testing::Test::HasFatalFailure()) return;

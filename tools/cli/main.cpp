@@ -99,7 +99,9 @@ int main(int argc, char** argv) {
   bench_app->add_option("--tokens", bench.tokens, "tokens per rank to sweep")
       ->delimiter(',')
       ->capture_default_str();
-  bench_app->add_option("--impl", bench.impls, "fused (fused forward, staged backward) | fused-all | staged (a list times each)")
+  bench_app
+      ->add_option("--impl", bench.impls,
+                   "fused (fused forward, staged backward) | fused-all | staged (a list times each)")
       ->delimiter(',')
       ->capture_default_str();
   bench_app

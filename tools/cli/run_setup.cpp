@@ -145,8 +145,8 @@ RunSetup resolve_run(const RunOptions& options, const BackendChoice& backend, co
   POUNCE_CHECK(options.kernel == "fused" || options.kernel == "staged", "--kernel ", options.kernel,
                " is unknown; choose fused or staged");
   setup.config.kernel_path = options.kernel == "fused" ? KernelPath::kFused : KernelPath::kStaged;
-  POUNCE_CHECK(options.backward_kernel == "fused" || options.backward_kernel == "staged", "--backward-kernel ",
-               options.backward_kernel, " is unknown; choose fused or staged");
+  POUNCE_CHECK(options.backward_kernel == "fused" || options.backward_kernel == "staged",
+               "--backward-kernel ", options.backward_kernel, " is unknown; choose fused or staged");
   setup.config.backward_kernel_path =
       options.backward_kernel == "fused" ? KernelPath::kFused : KernelPath::kStaged;
   setup.config.backend = backend.backend;
