@@ -118,11 +118,11 @@ std::string number(const json& record, const char* key, const char* pattern) {
 void print_table(std::ostream& out, const json& records) {
   int preset_width = 14;
   for (const json& r : records) preset_width = std::max<int>(preset_width, r.value("preset", "").size());
-  out << format("%-8s %-17s %-*s %5s %6s %5s %10s %9s %8s\n", "impl", "pass", preset_width, "preset", "ranks",
+  out << format("%-9s %-17s %-*s %5s %6s %5s %10s %9s %8s\n", "impl", "pass", preset_width, "preset", "ranks",
                 "T/rank", "sets", "median ms", "TFLOP/s", "speedup");
   std::map<std::string, int> errors;  // error -> records it stopped
   for (const json& r : records) {
-    out << format("%-8s %-17s %-*s %5lld %6lld %5s %10s %9s %8s\n", r.value("impl", "").c_str(),
+    out << format("%-9s %-17s %-*s %5lld %6lld %5s %10s %9s %8s\n", r.value("impl", "").c_str(),
                   r.value("pass", "").c_str(), preset_width, r.value("preset", "").c_str(),
                   static_cast<long long>(r.value("ranks", int64_t{0})),
                   static_cast<long long>(r.value("tokens_per_rank", int64_t{0})),
