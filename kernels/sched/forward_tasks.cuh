@@ -12,7 +12,7 @@
 // so a down tile is handed out one unit after the gate/up tiles it reads and rarely waits. Dependencies
 // (GPU-scope counters, sched user: kernels/fused/fused_forward.cuh):
 //   GU of a routed unit  <- rows_ready[unit]  (its rows pulled by every communication CTA)
-//   DN of m-block m      <- gate_up_done[m]   (every gate/up tile of m stored, by both consumer warpgroups)
+//   DN of m-block m      <- first_done[m]     (every gate/up tile of m stored, by both consumer warpgroups)
 //   push of routed unit  <- rows_done[unit]   (every down tile of the unit stored; push combine only)
 // Each waits only on tiles with smaller tickets or on the communication CTAs, which wait on nothing but
 // the compute tiles' counters of units they already pulled: no cycle. Progress needs one compute CTA
