@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/sched/backward_tasks.cuh"
+#include "task_list_checks.h"
 
 namespace {
 
@@ -22,11 +23,7 @@ using pounce::sched::kNumWeightGrads;
 using pounce::sched::WeightGradKind;
 
 std::vector<BackwardTask> walk(const BackwardTaskShape& shape) {
-  BackwardTaskCursor cursor(shape);
-  std::vector<BackwardTask> tasks;
-  BackwardTask task{};
-  for (int32_t ticket = 0; cursor.at(ticket, task); ++ticket) tasks.push_back(task);
-  return tasks;
+  return pounce::test::walk<BackwardTaskCursor, BackwardTask>(shape);
 }
 
 bool is_data(BackwardTaskKind kind) {
@@ -93,21 +90,14 @@ void check_shape(const BackwardTaskShape& shape) {
       ASSERT_LT(data_ticket.at(std::make_tuple(shared, true, m_block, n)), t) << "d_x tile before its d_a";
   }
   // Sparse increasing tickets of one CTA.
-  std::mt19937 gen(static_cast<uint32_t>(tasks.size()));
-  BackwardTaskCursor cursor(shape);
-  int32_t ticket = 0;
-  BackwardTask task{};
-  while (true) {
-    ticket += std::uniform_int_distribution<int32_t>(1, 40)(gen);
-    const bool has = cursor.at(ticket, task);
-    ASSERT_EQ(has, ticket < static_cast<int32_t>(tasks.size())) << "ticket " << ticket;
-    if (!has) break;
-    EXPECT_EQ(task.kind, tasks[ticket].kind);
-    EXPECT_EQ(task.m_block, tasks[ticket].m_block);
-    EXPECT_EQ(task.n_block, tasks[ticket].n_block);
-    EXPECT_EQ(task.group, tasks[ticket].group);
-    EXPECT_EQ(task.weight, tasks[ticket].weight);
-  }
+  pounce::test::expect_sparse_tickets_match<BackwardTaskCursor>(
+      shape, tasks, [](const BackwardTask& got, const BackwardTask& want, int32_t ticket) {
+        EXPECT_EQ(got.kind, want.kind) << "ticket " << ticket;
+        EXPECT_EQ(got.m_block, want.m_block) << "ticket " << ticket;
+        EXPECT_EQ(got.n_block, want.n_block) << "ticket " << ticket;
+        EXPECT_EQ(got.group, want.group) << "ticket " << ticket;
+        EXPECT_EQ(got.weight, want.weight) << "ticket " << ticket;
+      });
 }
 
 // Data extents {shared m, routed m, unit, shared d_a n, shared d_x n, d_a n, d_x n}; weights for El

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/sched/forward_tasks.cuh"
+#include "task_list_checks.h"
 
 namespace {
 
@@ -18,11 +19,7 @@ using pounce::sched::Task;
 using pounce::sched::TaskKind;
 
 std::vector<Task> walk(const ForwardTaskShape& shape) {
-  ForwardTaskCursor cursor(shape);
-  std::vector<Task> tasks;
-  Task task{};
-  for (int32_t ticket = 0; cursor.at(ticket, task); ++ticket) tasks.push_back(task);
-  return tasks;
+  return pounce::test::walk<ForwardTaskCursor, Task>(shape);
 }
 
 bool is_gate_up(TaskKind kind) {
@@ -68,20 +65,13 @@ void check_shape(const ForwardTaskShape& shape) {
     }
   }
   // A CTA's cursor sees sparse increasing tickets: same tasks as the sequential walk, then the end.
-  std::mt19937 gen(static_cast<uint32_t>(expected));
-  ForwardTaskCursor cursor(shape);
-  int32_t ticket = 0;
-  Task task{};
-  while (true) {
-    ticket += std::uniform_int_distribution<int32_t>(1, 40)(gen);
-    const bool has = cursor.at(ticket, task);
-    ASSERT_EQ(has, ticket < static_cast<int32_t>(tasks.size())) << "ticket " << ticket;
-    if (!has) break;
-    EXPECT_EQ(task.kind, tasks[ticket].kind);
-    EXPECT_EQ(task.m_block, tasks[ticket].m_block);
-    EXPECT_EQ(task.n_block, tasks[ticket].n_block);
-    EXPECT_EQ(task.unit, tasks[ticket].unit);
-  }
+  pounce::test::expect_sparse_tickets_match<ForwardTaskCursor>(
+      shape, tasks, [](const Task& got, const Task& want, int32_t ticket) {
+        EXPECT_EQ(got.kind, want.kind) << "ticket " << ticket;
+        EXPECT_EQ(got.m_block, want.m_block) << "ticket " << ticket;
+        EXPECT_EQ(got.n_block, want.n_block) << "ticket " << ticket;
+        EXPECT_EQ(got.unit, want.unit) << "ticket " << ticket;
+      });
 }
 
 TEST(ForwardTasks, EmptyListEndsAtOnce) {
