@@ -82,12 +82,9 @@ __device__ __forceinline__ void walk_chunk(const layout::WorkspacePointers& ws, 
 }
 
 // ---- count: chunk_counts[s][chunk][le] = pairs of source s, chunk `chunk`, for local expert le ----
-__device__ __forceinline__ void schedule_count(const layout::WorkspacePointers& ws, int32_t* smem_counters) {
-  const int warp = static_cast<int>(threadIdx.x / 32);
-  const int src = static_cast<int>(blockIdx.y);
-  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kScheduleWarpsPerBlock + warp;
-  if (chunk >= ws.max_chunks) return;
-  int32_t* counters = smem_counters + warp * ws.num_local_experts;
+// One warp per (source, chunk); `counters` is this warp's [El] int32 in shared memory.
+__device__ __forceinline__ void schedule_count_chunk(const layout::WorkspacePointers& ws, int src,
+                                                     int64_t chunk, int32_t* counters) {
   const SourceRouting source = source_routing(ws, src);
   walk_chunk(ws, source, src, chunk, counters, /*report=*/true, [](int64_t, int, int32_t) {});
   int32_t* out = ws.chunk_counts + (src * ws.max_chunks + chunk) * ws.num_local_experts;
@@ -139,14 +136,10 @@ __device__ __forceinline__ void schedule_scan(const layout::WorkspacePointers& w
   }
 }
 
-// ---- place: every pair to its interleaved row ----
-__device__ __forceinline__ void schedule_place(const layout::WorkspacePointers& ws, int32_t* smem_counters) {
-  const int warp = static_cast<int>(threadIdx.x / 32);
-  const int src = static_cast<int>(blockIdx.y);
-  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kScheduleWarpsPerBlock + warp;
-  if (chunk >= ws.max_chunks) return;
+// ---- place: every pair of one (source, chunk) to its interleaved row (one warp, as count) ----
+__device__ __forceinline__ void schedule_place_chunk(const layout::WorkspacePointers& ws, int src,
+                                                     int64_t chunk, int32_t* counters) {
   const int El = ws.num_local_experts, R = ws.num_ranks;
-  int32_t* counters = smem_counters + warp * El;
   const SourceRouting source = source_routing(ws, src);
   const int32_t* chunk_base = ws.chunk_counts + (src * ws.max_chunks + chunk) * El;
   walk_chunk(ws, source, src, chunk, counters, /*report=*/false, [&](int64_t entry, int local, int32_t rank) {
@@ -161,13 +154,32 @@ __device__ __forceinline__ void schedule_place(const layout::WorkspacePointers& 
   });
 }
 
+// The (source, chunk) work items of count and place, R * max_chunks of them, one per warp. `warp` and
+// `num_warps` number the warps taking part (a grid of the standalone kernels, or every warp of the fused
+// kernel); `counters` is the calling warp's [El] int32 in shared memory.
+template <typename PerChunk>
+__device__ __forceinline__ void for_each_schedule_chunk(const layout::WorkspacePointers& ws, int64_t warp,
+                                                        int64_t num_warps, int32_t* counters,
+                                                        PerChunk&& per_chunk) {
+  const int64_t num_items = ws.num_ranks * ws.max_chunks;
+  for (int64_t item = warp; item < num_items; item += num_warps) {
+    per_chunk(ws, static_cast<int>(item / ws.max_chunks), item % ws.max_chunks, counters);
+  }
+}
+
 // ---- standalone kernels of the staged path ----
 // count and place: grid (ceil(max_chunks / 4), R), kScheduleThreads threads, 4 * El int32 of dynamic smem.
+__device__ __forceinline__ int32_t* warp_counters(int32_t* smem_counters, int num_local_experts) {
+  return smem_counters + static_cast<int>(threadIdx.x / 32) * num_local_experts;
+}
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads) schedule_count_kernel(layout::WorkspacePointers ws) {
   static_assert(kNumThreads == kScheduleThreads, "the schedule kernels run kScheduleWarpsPerBlock warps");
   extern __shared__ int32_t smem_counters[];
-  schedule_count(ws, smem_counters);
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kScheduleWarpsPerBlock + threadIdx.x / 32;
+  if (chunk >= ws.max_chunks) return;
+  schedule_count_chunk(ws, static_cast<int>(blockIdx.y), chunk,
+                       warp_counters(smem_counters, ws.num_local_experts));
 }
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads) schedule_scan_kernel(layout::WorkspacePointers ws) {
@@ -177,7 +189,10 @@ template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads) schedule_place_kernel(layout::WorkspacePointers ws) {
   static_assert(kNumThreads == kScheduleThreads, "the schedule kernels run kScheduleWarpsPerBlock warps");
   extern __shared__ int32_t smem_counters[];
-  schedule_place(ws, smem_counters);
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kScheduleWarpsPerBlock + threadIdx.x / 32;
+  if (chunk >= ws.max_chunks) return;
+  schedule_place_chunk(ws, static_cast<int>(blockIdx.y), chunk,
+                       warp_counters(smem_counters, ws.num_local_experts));
 }
 
 }  // namespace pounce::routing
