@@ -50,20 +50,22 @@ __device__ __forceinline__ void push_rows(const layout::WorkspacePointers& ws, c
     push_row(ws, rows, sym_slots, row);
 }
 
-// One thread per (token, 8 consecutive hidden columns). `base` [T][H] starts the accumulator (the shared
-// expert's output or d_x; null = 0); `topk_weights` null means weight 1 (backward's d_x sum: 1 * v == v).
+// One thread per (token, 8 consecutive hidden columns), threads first_thread, + num_threads, ... `base`
+// [T][H] starts the accumulator (the shared expert's output or d_x; null = 0); `topk_weights` null means
+// weight 1 (backward's d_x sum: 1 * v == v). Slots go in groups of kSumGroup: the group's ids first, then
+// every valid slot's load, so the loads of a group are in flight together; the accumulation still runs in
+// ascending j.
+template <int kSumGroup = 8>
 __device__ __forceinline__ void weighted_sum(const layout::WorkspacePointers& ws, int64_t sym_slots,
                                              const float* topk_weights, const void* base, void* out,
-                                             int64_t num_tokens) {
+                                             int64_t num_tokens, int64_t first_thread, int64_t num_threads) {
   const int64_t H = ws.hidden, k = ws.num_topk;
   const int64_t vectors_per_row = H / 8;
   const int64_t total = num_tokens * vectors_per_row;
   const int32_t* topk_idx = ws.local_sym<const int32_t>(ws.sym_routing_idx) + ws.rank * ws.routing_stride;
   const int4* y_slots = ws.local_sym<const int4>(sym_slots);
   const int4* shared_y = static_cast<const int4*>(base);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < total;
-       item += stride) {
+  for (int64_t item = first_thread; item < total; item += num_threads) {
     const int64_t t = item / vectors_per_row, v = item % vectors_per_row;
     float acc[8];
     if (shared_y != nullptr) {
@@ -75,14 +77,34 @@ __device__ __forceinline__ void weighted_sum(const layout::WorkspacePointers& ws
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
     }
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t expert = topk_idx[t * k + j];
-      if (expert < 0 || expert >= ws.num_experts) continue;
-      const float w = topk_weights != nullptr ? topk_weights[t * k + j] : 1.0f;
-      const int4 packed = y_slots[(t * k + j) * vectors_per_row + v];
-      const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&packed);
+    for (int64_t group = 0; group < k; group += kSumGroup) {
+      uint32_t valid = 0;  // bit j: slot group + j exists and names an expert in [0, E)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, __bfloat162float(y[i])));
+      for (int j = 0; j < kSumGroup; ++j) {
+        if (group + j < k) {
+          const int32_t expert = topk_idx[t * k + group + j];
+          if (expert >= 0 && expert < ws.num_experts) valid |= 1u << j;
+        }
+      }
+      float w[kSumGroup];
+      int4 packed[kSumGroup];
+#pragma unroll
+      for (int j = 0; j < kSumGroup; ++j) {
+        w[j] = 0.0f;
+        packed[j] = make_int4(0, 0, 0, 0);
+        if (valid & (1u << j)) {
+          const int64_t slot = t * k + group + j;
+          w[j] = topk_weights != nullptr ? topk_weights[slot] : 1.0f;
+          packed[j] = y_slots[slot * vectors_per_row + v];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kSumGroup; ++j) {
+        if (!(valid & (1u << j))) continue;
+        const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&packed[j]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[j], __bfloat162float(y[i])));
+      }
     }
     int4 result;
     __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&result);
@@ -102,7 +124,9 @@ template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads)
     weighted_sum_kernel(layout::WorkspacePointers ws, int64_t sym_slots, const float* topk_weights,
                         const void* base, void* out, int64_t num_tokens) {
-  weighted_sum(ws, sym_slots, topk_weights, base, out, num_tokens);
+  weighted_sum(ws, sym_slots, topk_weights, base, out, num_tokens,
+               static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+               static_cast<int64_t>(gridDim.x) * blockDim.x);
 }
 
 }  // namespace pounce::combine

@@ -38,6 +38,16 @@ __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* ptr) {
 __device__ __forceinline__ void red_release_gpu_add(uint32_t* ptr, uint32_t value) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
 }
+// Adds `value` and returns the previous sum, acquire + release: the caller sees every store released by the
+// adds before its own (the last of a grid's arrivals sees them all).
+__device__ __forceinline__ uint32_t atom_add_acq_rel_gpu(uint32_t* ptr, uint32_t value) {
+  uint32_t previous;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+               : "=r"(previous)
+               : "l"(ptr), "r"(value)
+               : "memory");
+  return previous;
+}
 __device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* ptr) {
   uint32_t value;
   asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
@@ -108,6 +118,21 @@ __device__ __forceinline__ void record_error(const layout::WorkspacePointers& ws
 }
 
 // ---- phase barrier across the ranks of the group ----
+// One peer's half of the barrier at `epoch`: release this rank's arrival into the peer's inbox, then acquire
+// the peer's arrival from this rank's own inbox. False (recorded) when the peer did not arrive in time.
+__device__ __forceinline__ bool arrive_and_wait_peer(const layout::WorkspacePointers& ws, int peer,
+                                                     uint32_t epoch, layout::WaitId which) {
+  // Release: this rank's earlier stores (all blocks, all earlier kernels) before the arrival flag.
+  fence_acq_rel_sys();
+  st_release_sys(ws.peer<uint32_t>(peer, ws.sym_barrier_inbox) + ws.rank, epoch);
+  // Acquire: the peer's stores before its arrival are visible after this load.
+  const uint32_t* inbox = ws.local_sym<uint32_t>(ws.sym_barrier_inbox) + peer;
+  const uint32_t observed = wait_epoch_sys(inbox, epoch, ws.timeout_ns);
+  if (epoch_reached(observed, epoch)) return true;
+  record_error(ws, layout::DeviceErrorCode::kWaitTimeout, static_cast<int32_t>(which), peer, epoch, observed);
+  return false;
+}
+
 // Called by one whole block; threads [0, R) handle one peer each. Every store the calling rank made
 // before the call (earlier kernels in stream order included) is visible to every peer after its own
 // call returns, and vice versa. Returns false (and records the error) when a peer did not arrive.
@@ -118,22 +143,27 @@ __device__ __forceinline__ bool phase_barrier_block(const layout::WorkspacePoint
   __syncthreads();
   const uint32_t epoch = *ws.barrier_epoch + 1;
   const int peer = static_cast<int>(threadIdx.x);
-  if (peer < ws.num_ranks && peer != ws.rank) {
-    // Release: this rank's earlier stores (all blocks, all earlier kernels) before the arrival flag.
-    fence_acq_rel_sys();
-    st_release_sys(ws.peer<uint32_t>(peer, ws.sym_barrier_inbox) + ws.rank, epoch);
-    // Acquire: the peer's stores before its arrival are visible after this load.
-    const uint32_t* inbox = ws.local_sym<uint32_t>(ws.sym_barrier_inbox) + peer;
-    const uint32_t observed = wait_epoch_sys(inbox, epoch, ws.timeout_ns);
-    if (!epoch_reached(observed, epoch)) {
-      timed_out = 1;
-      record_error(ws, layout::DeviceErrorCode::kWaitTimeout, static_cast<int32_t>(which), peer, epoch,
-                   observed);
-    }
-  }
+  if (peer < ws.num_ranks && peer != ws.rank && !arrive_and_wait_peer(ws, peer, epoch, which)) timed_out = 1;
   __syncthreads();
   if (threadIdx.x == 0) *ws.barrier_epoch = epoch;
   return timed_out == 0;
+}
+
+// The same barrier run by one whole warp (inside the fused kernel, where the rest of the CTA is busy): lane
+// i handles peers i, i + 32, ... The caller has acquired every store of this GPU that must travel (the
+// grid's arrivals), so the lanes' system-scope releases carry them.
+__device__ __forceinline__ bool phase_barrier_warp(const layout::WorkspacePointers& ws,
+                                                   layout::WaitId which) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const uint32_t epoch = __shfl_sync(0xffffffffu, lane == 0 ? *ws.barrier_epoch + 1 : 0u, 0);
+  bool arrived = true;
+  for (int peer = lane; peer < ws.num_ranks; peer += 32) {
+    if (peer != ws.rank) arrived = arrive_and_wait_peer(ws, peer, epoch, which) && arrived;
+  }
+  const bool all_arrived = __all_sync(0xffffffffu, arrived);
+  if (lane == 0) *ws.barrier_epoch = epoch;
+  __syncwarp();
+  return all_arrived;
 }
 
 }  // namespace pounce::flags

@@ -286,7 +286,8 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       },
       [&](const BackwardTask& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done) {
         return consume_task(ss, ring, params, task, threadIdx.x / 128 - 1, acc, done);
-      });
+      },
+      [] {});
 }
 
 }  // namespace pounce::fused

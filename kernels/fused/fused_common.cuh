@@ -343,11 +343,15 @@ __device__ __forceinline__ kernels::gemm::SharedStorage& stage_storage() {
 }
 
 // A compute CTA: the producer warpgroup gives registers to the consumers; its thread 0 runs the producer
-// loop with the scheduler built from `params` in shared memory, the two consumer warpgroups run `consume`.
-template <typename TaskT, typename Scheduler, typename Params, typename Produce, typename Consume>
+// loop with the scheduler built from `params` in shared memory, the two consumer warpgroups run `consume`,
+// then `finish()`. `finish` runs here, inside the consumers' branch: code after the branches join is
+// compiled for the producer's kProducerRegs registers (ptxas takes the smaller budget at the join) and
+// spills.
+template <typename TaskT, typename Scheduler, typename Params, typename Produce, typename Consume,
+          typename Finish>
 __device__ __forceinline__ void run_compute_cta(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
                                                 SchedulerStorage<Scheduler>& scheduler, const Params& params,
-                                                Produce&& produce, Consume&& consume) {
+                                                Produce&& produce, Consume&& consume, Finish&& finish) {
   const int warpgroup_idx = threadIdx.x / 128;
   if (warpgroup_idx == 0) {
     kernels::ptx::setmaxnreg_dec<GemmConfig::kProducerRegs>();
@@ -355,6 +359,7 @@ __device__ __forceinline__ void run_compute_cta(const layout::WorkspacePointers&
   } else {
     kernels::ptx::setmaxnreg_inc<GemmConfig::kConsumerRegs>();
     run_consumer(ws, slots, warpgroup_idx - 1, consume);
+    finish();
   }
 }
 

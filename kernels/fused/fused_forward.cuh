@@ -1,6 +1,7 @@
-// The fused forward kernel (DESIGN.md §2, issue #4): dispatch, shared expert, gate/up + activation, down and
-// the combine push in ONE persistent launch, one CTA per SM, after the routing exchange and the schedule
-// and before the combine barrier and the weighted sum (src/gpu/fused_forward.cu runs those around it).
+// The fused forward kernel (DESIGN.md §2, issue #4): the whole forward in ONE persistent launch, one CTA per
+// SM: stage x, routing exchange and barrier, schedule (grid_steps.cuh, every CTA), then dispatch, shared
+// expert, gate/up + activation, down and the combine (roles below), then the combine barrier and the weighted
+// sum (grid_steps.cuh again).
 //
 // Roles, by arrival (the first `comm_ctas` CTAs to start communicate, so they are resident whenever any
 // compute CTA is and a compute CTA never waits on a communication CTA that cannot run):
@@ -29,6 +30,7 @@
 
 #include "kernels/dispatch/dispatch.cuh"
 #include "kernels/fused/fused_common.cuh"
+#include "kernels/fused/grid_steps.cuh"
 #include "kernels/sched/forward_tasks.cuh"
 
 namespace pounce::fused {
@@ -53,6 +55,7 @@ struct FusedForwardMaps {
 
 struct FusedForwardParams {
   layout::WorkspacePointers ws;
+  ForwardInputs in;                                            // x, routing, router weights, out
   GroupedGemmArgs gate_up, down, shared_gate_up, shared_down;  // outputs, extents, activation per GEMM
   int32_t comm_ctas;
   int32_t unit_blocks;  // m-blocks per minibatch
@@ -173,16 +176,20 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
   return true;
 }
 
+// Launched cooperatively (grid_steps.cuh needs every CTA resident), one CTA per SM.
 __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     fused_forward_kernel(const __grid_constant__ FusedForwardMaps maps,
                          const __grid_constant__ FusedForwardParams params) {
   kernels::gemm::SharedStorage& ss = stage_storage();
   __shared__ TaskSlots<Task> slots;
   __shared__ SchedulerStorage<ForwardScheduler> scheduler;
+  const layout::WorkspacePointers& ws = params.ws;
 
-  const int32_t role = start_cta(params.ws, params.comm_ctas, ss, slots);
+  if (!run_forward_prologue(ws, params.in, reinterpret_cast<int32_t*>(ss.stages), slots.go)) return;
+  const int32_t role = start_cta(ws, params.comm_ctas, ss, slots);
+  const int warpgroup = threadIdx.x / 128;
   if (role < params.comm_ctas) {
-    const layout::WorkspacePointers& ws = params.ws;
+    if (!wait_schedule_placed(ws, slots.go)) return;
     CommunicationPlan plan;
     plan.shape = task_shape_of(params);
     plan.comm_ctas = params.comm_ctas;
@@ -192,6 +199,8 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     run_communication(
         ws, slots.go, plan, role, [&](int64_t row) { dispatch::pull_row<8>(ws, row); },
         [&](int64_t row) { combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row); });
+    __syncthreads();  // every warp's pushes are issued before warpgroups 1 and 2 arrive for the CTA
+    if (warpgroup > 0) finish_forward(ws, params.in, warpgroup);
     return;
   }
   if (threadIdx.x == 0) {
@@ -199,13 +208,14 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       kernels::ptx::prefetch_tensor_map(map);
   }
   run_compute_cta(
-      params.ws, slots, scheduler, params,
+      ws, slots, scheduler, params,
       [&](const Task& task, kernels::gemm::RingPosition& ring) {
         return produce_task(ss, ring, maps, params, task);
       },
       [&](const Task& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done) {
-        return consume_task(ss, ring, params, task, threadIdx.x / 128 - 1, acc, done);
-      });
+        return consume_task(ss, ring, params, task, warpgroup - 1, acc, done);
+      },
+      [&] { finish_forward(ws, params.in, warpgroup); });
 }
 
 }  // namespace pounce::fused

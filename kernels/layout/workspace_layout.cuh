@@ -68,6 +68,7 @@ enum class WaitId : int32_t {
   kFusedBackwardRowsReady = 9,  // backward compute CTA: a minibatch's dy rows pulled
   kFusedActGradDone = 10,       // backward compute CTA: every d_a tile of an m-block stored
   kFusedBackwardRowsDone = 11,  // backward communication CTA: every d_x tile of a minibatch, before its push
+  kFusedGridStep = 12,          // fused forward: a grid-wide step (`peer` is the FusedGridStep)
 };
 
 // The fused kernels' GPU-scope counters (local region, zeroed before every launch), in uint32
@@ -76,7 +77,18 @@ inline constexpr int64_t kFusedTicket = 0;     // next task of the compute CTAs'
 inline constexpr int64_t kFusedRole = 1;       // CTAs started so far: the first comm_ctas communicate
 inline constexpr int64_t kFusedAbort = 2;      // non-zero once any CTA failed: every wait gives up
 inline constexpr int64_t kFusedGemmError = 3;  // the GEMM stage ring's WaitError (scratch)
-inline constexpr int64_t kFusedHeaderWords = 4;
+// The fused forward's grid-wide steps (kernels/fused/grid_steps.cuh): CTAs (or parties) arrived, and the
+// step's release by the last arrival (1: done, 2: failed).
+enum FusedGridStep : int32_t {
+  kStepRouting = 0,
+  kStepCounted = 1,
+  kStepPlaced = 2,
+  kStepFinished = 3,
+  kNumGridSteps = 4
+};
+inline constexpr int64_t kFusedGridArrived = 4;                                   // [kNumGridSteps]
+inline constexpr int64_t kFusedGridReleased = kFusedGridArrived + kNumGridSteps;  // [kNumGridSteps]
+inline constexpr int64_t kFusedHeaderWords = kFusedGridReleased + kNumGridSteps;
 
 struct DeviceErrorRecord {
   int32_t code;      // DeviceErrorCode

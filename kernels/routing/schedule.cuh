@@ -93,45 +93,123 @@ __device__ __forceinline__ void schedule_count_chunk(const layout::WorkspacePoin
 
 // ---- scan (one block): chunk bases, counts per (expert, source), segment offsets, padding rows ----
 __device__ __forceinline__ void schedule_scan(const layout::WorkspacePointers& ws) {
-  const int El = ws.num_local_experts, R = ws.num_ranks;
-  // Exclusive scan over chunks, in place, per (source, expert); totals into expert_src_count.
-  for (int pair = static_cast<int>(threadIdx.x); pair < El * R; pair += blockDim.x) {
-    const int src = pair / El, expert = pair % El;
-    int32_t running = 0;
-    for (int64_t chunk = 0; chunk < ws.max_chunks; ++chunk) {
-      int32_t* cell = ws.chunk_counts + (src * ws.max_chunks + chunk) * El + expert;
-      const int32_t count = *cell;
-      *cell = running;
-      running += count;
-    }
-    ws.expert_src_count[expert * R + src] = running;
-  }
-  __syncthreads();
-  // Segment offsets: short serial pass (El * R additions), clamped to the capacity.
-  if (threadIdx.x == 0) {
-    int64_t offset = 0;
-    ws.group_row_offset[0] = 0;
-    for (int expert = 0; expert < El; ++expert) {
-      int64_t rows = 0;
-      for (int src = 0; src < R; ++src) rows += ws.expert_src_count[expert * R + src];
-      offset += layout::round_up(rows, layout::kBlockM);
-      if (offset > ws.rows_capacity) {
-        flags::record_error(ws, layout::DeviceErrorCode::kScheduleOverflow, 0, -1, ws.rows_capacity, offset);
-        offset = ws.rows_capacity;
+  constexpr int kScanBatch = 16;  // chunk counts per batch: all its loads are in flight before any store
+  constexpr int kMaxThreads = 1024;
+  const int El = ws.num_local_experts, R = ws.num_ranks, num_pairs = El * R;
+  const int thread = static_cast<int>(threadIdx.x), num_threads = static_cast<int>(blockDim.x);
+  const int lane = thread % 32, warp = thread / 32, num_warps = num_threads / 32;
+  // One int32 per thread: a run's chunk total in the chunk scan, then a segment's first padding row.
+  __shared__ int32_t per_thread[kMaxThreads];
+  __shared__ uint8_t pad_rows[kMaxThreads];  // padding rows of a segment: fewer than BLOCK_M
+  __shared__ int64_t warp_rows[32];
+
+  // Exclusive scan over chunks, in place, per (source, expert); totals into expert_src_count. Consecutive
+  // threads take consecutive experts of one source, so every chunk's loads coalesce. When the block has
+  // room, a column's chunks are split into `parts` runs of whole batches, one thread each: each run is
+  // summed first, the runs' bases come from shared memory, then the run is scanned from its base (int32
+  // additions wrap, so the bases match the serial sums bit for bit).
+  auto scan_run = [&](int32_t* column, int64_t first, int64_t end, int32_t running) {
+    for (; first < end; first += kScanBatch) {
+      int32_t* batch = column + first * El;
+      const int64_t num_valid = end - first;  // the batch's first num_valid chunks exist
+      int32_t count[kScanBatch];
+#pragma unroll
+      for (int i = 0; i < kScanBatch; ++i) count[i] = i < num_valid ? batch[i * El] : 0;
+#pragma unroll
+      for (int i = 0; i < kScanBatch; ++i) {
+        if (i < num_valid) batch[i * El] = running;
+        running += count[i];
       }
-      ws.group_row_offset[expert + 1] = static_cast<int32_t>(offset);
+    }
+    return running;
+  };
+  const int64_t num_batches = (ws.max_chunks + kScanBatch - 1) / kScanBatch;
+  const int parts = static_cast<int>(min(static_cast<int64_t>(max(1, num_threads / num_pairs)), num_batches));
+  if (parts == 1) {
+    for (int pair = thread; pair < num_pairs; pair += num_threads) {
+      const int src = pair / El, expert = pair % El;
+      int32_t* column = ws.chunk_counts + src * ws.max_chunks * El + expert;  // chunk c at column[c * El]
+      ws.expert_src_count[expert * R + src] = scan_run(column, 0, ws.max_chunks, 0);
+    }
+  } else {
+    const int64_t span = (num_batches + parts - 1) / parts * kScanBatch;  // chunks per run
+    const int pair = thread % num_pairs, part = thread / num_pairs;       // part >= parts: idle
+    const int src = pair / El, expert = pair % El;
+    int32_t* column = ws.chunk_counts + src * ws.max_chunks * El + expert;
+    const int64_t first = part * span, end = part < parts ? min(first + span, ws.max_chunks) : first;
+    int32_t count[kScanBatch] = {};  // a one-batch run keeps its counts here for the second pass
+    int32_t sum = 0;
+    for (int64_t batch = first; batch < end; batch += kScanBatch) {
+#pragma unroll
+      for (int i = 0; i < kScanBatch; ++i) count[i] = i < end - batch ? column[(batch + i) * El] : 0;
+#pragma unroll
+      for (int i = 0; i < kScanBatch; ++i) sum += count[i];
+    }
+    per_thread[thread] = sum;
+    __syncthreads();
+    if (part < parts) {
+      int32_t running = 0;
+      for (int earlier = 0; earlier < part; ++earlier) running += per_thread[earlier * num_pairs + pair];
+      if (span == kScanBatch) {
+#pragma unroll
+        for (int i = 0; i < kScanBatch; ++i) {
+          if (i < end - first) column[(first + i) * El] = running;
+          running += count[i];
+        }
+      } else {
+        running = scan_run(column, first, end, running);
+      }
+      if (part == parts - 1) ws.expert_src_count[expert * R + src] = running;
     }
   }
   __syncthreads();
-  // Padding rows of every segment (fewer than BLOCK_M each): one warp per expert.
-  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
-  const int num_warps = static_cast<int>(blockDim.x / 32);
-  for (int expert = warp; expert < El; expert += num_warps) {
+
+  // Segment offsets: a block prefix sum of the padded segment sizes, blockDim.x experts per tile, clamped
+  // to the capacity. The running sums only grow, so the first expert whose sum passes rows_capacity is the
+  // one whose exclusive sum does not: the error is recorded once, with the unclamped sum it reached.
+  // Padding rows of every segment: the tile's segments handed round the warps through shared memory.
+  if (thread == 0) ws.group_row_offset[0] = 0;
+  int64_t carry = 0;  // padded rows of the earlier tiles
+  for (int tile = 0; tile < El; tile += num_threads) {
+    const int expert = tile + thread;
     int64_t rows = 0;
-    for (int src = 0; src < R; ++src) rows += ws.expert_src_count[expert * R + src];
-    const int64_t end = ws.group_row_offset[expert + 1];
-    for (int64_t row = ws.group_row_offset[expert] + rows + lane; row < end; row += 32) {
-      ws.schedule[row] = layout::ScheduleEntry{-1, -1, -1, -1};
+    if (expert < El) {
+      for (int src = 0; src < R; ++src) rows += ws.expert_src_count[expert * R + src];
+    }
+    const int64_t padded = layout::round_up(rows, layout::kBlockM);
+    int64_t inclusive = padded;  // within the warp
+#pragma unroll
+    for (int delta = 1; delta < 32; delta *= 2) {
+      const int64_t below = __shfl_up_sync(0xffffffffu, inclusive, delta);
+      if (lane >= delta) inclusive += below;
+    }
+    if (lane == 31) warp_rows[warp] = inclusive;
+    __syncthreads();
+    int64_t end = carry + inclusive;
+    for (int w = 0; w < num_warps; ++w) {
+      const int64_t warp_total = warp_rows[w];
+      if (w < warp) end += warp_total;
+      carry += warp_total;
+    }
+    const int64_t begin = end - padded;
+    const int64_t clamped_begin = min(begin, ws.rows_capacity), clamped_end = min(end, ws.rows_capacity);
+    if (expert < El) {
+      if (end > ws.rows_capacity && begin <= ws.rows_capacity) {
+        flags::record_error(ws, layout::DeviceErrorCode::kScheduleOverflow, 0, -1, ws.rows_capacity, end);
+      }
+      ws.group_row_offset[expert + 1] = static_cast<int32_t>(clamped_end);
+    }
+    const int64_t pad_begin = clamped_begin + rows;  // padding rows: [pad_begin, clamped_end)
+    const bool padding = pad_begin < clamped_end;
+    per_thread[thread] = padding ? static_cast<int32_t>(pad_begin) : 0;
+    pad_rows[thread] = padding ? static_cast<uint8_t>(clamped_end - pad_begin) : 0;
+    __syncthreads();  // also: every thread has read warp_rows before the next tile rewrites it
+    const int tile_experts = min(num_threads, El - tile);
+    for (int local = warp; local < tile_experts; local += num_warps) {
+      const int64_t first = per_thread[local];
+      for (int row = lane; row < pad_rows[local]; row += 32) {
+        ws.schedule[first + row] = layout::ScheduleEntry{-1, -1, -1, -1};
+      }
     }
   }
 }

@@ -416,6 +416,9 @@ const char* wait_name(layout::WaitId id) {
       return "fused backward: d_a tiles of an m-block";
     case layout::WaitId::kFusedBackwardRowsDone:
       return "fused backward: d_x tiles of a minibatch, before its push";
+    case layout::WaitId::kFusedGridStep:
+      return "fused forward: a grid-wide step (index 0 routing, 1 schedule count, 2 schedule placed, 3 "
+             "finished)";
     case layout::WaitId::kNone:
       break;
   }

@@ -1,7 +1,8 @@
-// The fused forward (DESIGN.md §2, issue #4): the shared prologue (stage x, routing exchange, barrier,
-// schedule), then ONE persistent kernel for dispatch, shared expert, gate/up + activation, down and the
-// combine push (kernels/fused/fused_forward.cuh), then the combine barrier and the weighted sum.
-// Stream-ordered, nothing allocated, no routing count read on the host: capturable like the staged chain.
+// The fused forward (DESIGN.md §2, issue #4): the argument checks, a memset of the counters, then ONE
+// persistent cooperative kernel for the whole pass (kernels/fused/fused_forward.cuh): stage x, routing
+// exchange and barrier, schedule, dispatch, shared expert, gate/up + activation, down, combine, combine
+// barrier and weighted sum. Stream-ordered, nothing allocated, no routing count read on the host: capturable
+// like the staged chain.
 //
 // Heuristic (docs/design.md, "Fused forward", from the EP2 sweeps there):
 //   - several ranks and I < 1024 (qwen3: down tiles with a short mainloop, transfers heavy): the
@@ -92,8 +93,14 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   POUNCE_CHECK(workspace.num_sms >= 2, "the fused kernel needs at least 2 SMs (device ", workspace.device,
                " has ", workspace.num_sms, "); use Config::kernel_path = KernelPath::kStaged");
   set_shared_limit_once<fused::fused_forward_kernel>(workspace.device, kFusedSharedBytes);
+  // The prologue's schedule counters live in the stage ring's shared memory, one [El] array per warp.
+  POUNCE_CHECK(fused::kWarps * El * sizeof(int32_t) <= sizeof(kernels::gemm::SharedStorage::stages),
+               "the fused kernel builds the schedule with ", fused::kWarps,
+               " x num_local_experts counters in ", sizeof(kernels::gemm::SharedStorage::stages),
+               " bytes of shared memory; num_local_experts = ", El,
+               " is too many: use Config::kernel_path = KernelPath::kStaged");
   StageTimer timer("forward", p.rank, stream);
-  const ForwardLaunch launch = launch_forward_prologue(workspace, args, write_out, timer, stream);
+  const ForwardLaunch launch = check_forward_args(workspace, args, write_out);
 
   using kernels::gemm::GemmConfig;
   fused::FusedForwardMaps maps;
@@ -117,6 +124,13 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
 
   fused::FusedForwardParams params{};
   params.ws = p;
+  params.in.x = args.x.data;
+  params.in.topk_idx = args.topk_idx.data;
+  params.in.topk_weights = args.topk_weights.as<const float>();
+  params.in.out = args.out.data;
+  params.in.num_tokens = launch.num_tokens;
+  params.in.idx_int64 = launch.idx_int64;
+  params.in.write_out = write_out;
   int32_t* gemm_error = reinterpret_cast<int32_t*>(p.fused_counters + layout::kFusedGemmError);
   params.gate_up = gemm_args(I, H, p.g_rows, p.u_rows, p.act_rows, launch.activation, gemm_error);
   params.down = gemm_args(H, I, p.y_rows, nullptr, nullptr, launch.activation, gemm_error);
@@ -131,11 +145,20 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   // Counters start at zero every call (a memset node in a captured graph).
   POUNCE_CUDA(
       cudaMemsetAsync(p.fused_counters, 0, workspace.layout.fused_counter_words * sizeof(uint32_t), stream));
-  fused::fused_forward_kernel<<<workspace.num_sms, GemmConfig::kNumThreads, kFusedSharedBytes, stream>>>(
-      maps, params);
-  POUNCE_CUDA(cudaGetLastError());
+  // Cooperative: the grid steps (kernels/fused/grid_steps.cuh) wait for every CTA, so all must be resident;
+  // the launch fails instead of hanging when they cannot be.
+  cudaLaunchAttribute cooperative{};
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  cudaLaunchConfig_t launch_config{};
+  launch_config.gridDim = dim3(static_cast<unsigned>(workspace.num_sms));
+  launch_config.blockDim = dim3(GemmConfig::kNumThreads);
+  launch_config.dynamicSmemBytes = kFusedSharedBytes;
+  launch_config.stream = stream;
+  launch_config.attrs = &cooperative;
+  launch_config.numAttrs = 1;
+  POUNCE_CUDA(cudaLaunchKernelEx(&launch_config, fused::fused_forward_kernel, maps, params));
   timer.mark("fused");
-  launch_forward_epilogue(workspace, args, launch, write_out, timer, stream);
 }
 
 }  // namespace pounce::gpu

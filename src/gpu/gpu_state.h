@@ -106,8 +106,11 @@ void launch_barrier(const layout::WorkspacePointers& p, layout::WaitId which, cu
 class StageTimer;
 struct ForwardLaunch {
   int64_t num_tokens = 0;
+  bool idx_int64 = false;
   kernels::ActivationParams activation;
 };
+// The prologue's argument checks alone (the fused forward runs the prologue's work inside its kernel).
+ForwardLaunch check_forward_args(GpuWorkspace& workspace, const ForwardArgs& args, bool write_out);
 ForwardLaunch launch_forward_prologue(GpuWorkspace& workspace, const ForwardArgs& args, bool write_out,
                                       StageTimer& timer, cudaStream_t stream);
 void launch_forward_epilogue(GpuWorkspace& workspace, const ForwardArgs& args, const ForwardLaunch& launch,

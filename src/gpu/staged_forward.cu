@@ -64,8 +64,7 @@ void launch_barrier(const layout::WorkspacePointers& p, layout::WaitId which, cu
   routing::phase_barrier_kernel<kBarrierThreads><<<1, kBarrierThreads, 0, stream>>>(p, which);
 }
 
-ForwardLaunch launch_forward_prologue(GpuWorkspace& workspace, const ForwardArgs& args, bool write_out,
-                                      StageTimer& timer, cudaStream_t stream) {
+ForwardLaunch check_forward_args(GpuWorkspace& workspace, const ForwardArgs& args, bool write_out) {
   const layout::WorkspacePointers p = workspace.pointers();
   ForwardLaunch launch;
   launch.num_tokens = args.x.shape.empty() ? 0 : args.x.shape[0];
@@ -79,14 +78,22 @@ ForwardLaunch launch_forward_prologue(GpuWorkspace& workspace, const ForwardArgs
   check_weights_aligned(args.routed, "routed");
   check_weights_aligned(args.shared, "shared");
   launch.activation = activation_params(workspace.config.activation);
-  const bool idx_int64 = args.topk_idx.dtype == DType::kInt64;
+  launch.idx_int64 = args.topk_idx.dtype == DType::kInt64;
+  return launch;
+}
+
+ForwardLaunch launch_forward_prologue(GpuWorkspace& workspace, const ForwardArgs& args, bool write_out,
+                                      StageTimer& timer, cudaStream_t stream) {
+  const layout::WorkspacePointers p = workspace.pointers();
+  const ForwardLaunch launch = check_forward_args(workspace, args, write_out);
+  const int64_t num_tokens = launch.num_tokens;
   const int copy_grid = workspace.num_sms * 4;
 
   // 1. This rank's x into its symmetric buffer (peers pull from it), shared-expert row offsets.
   dispatch::stage_x_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(p, args.x.data, num_tokens);
   // 2. Routing exchange: topk_idx (int32) and T into every peer; barrier.
   routing::routing_exchange_kernel<kCopyThreads>
-      <<<copy_grid, kCopyThreads, 0, stream>>>(p, args.topk_idx.data, idx_int64, num_tokens);
+      <<<copy_grid, kCopyThreads, 0, stream>>>(p, args.topk_idx.data, launch.idx_int64, num_tokens);
   timer.mark("stage+exchange");
   launch_barrier(p, layout::WaitId::kRoutingBarrier, stream);
   timer.mark("barrier");

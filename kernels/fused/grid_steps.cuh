@@ -1,0 +1,162 @@
+// The fused forward's own beginning and end (issue #4: the routing exchange, the schedule, the combine
+// barrier and the weighted sum inside the one launch). The kernel is launched cooperatively, so every CTA is
+// resident and a CTA may wait for all the others. A grid step is an arrival count and a release word in the
+// fused counter header (layout::FusedGridStep): the last CTA (or party) to arrive does the step's serial work
+// and releases it; whoever needs the step done waits for the release.
+//
+//   every CTA       stage x; its routing ids into every peer          arrive kStepRouting
+//     last arrival  the cross-GPU routing barrier (one warp)           release; every CTA waits
+//   every CTA       count its (source, chunk) items                    arrive kStepCounted
+//     last arrival  the scan: group_row_offset, padding rows           release; every CTA waits
+//   every CTA       place its items                                    arrive kStepPlaced
+//     last arrival  nothing                                            release; only communication CTAs wait
+//   (compute CTAs need just group_row_offset; a tile reads schedule rows only after its rows were pulled by
+//   communication CTAs, which waited for kStepPlaced, so the release chain through rows_ready covers them)
+//   ... tiles and transfers ...
+//   every party     (warpgroups 1 and 2 of every CTA) done             arrive kStepFinished
+//     last arrival  the cross-GPU combine barrier (one warp)           release; every party waits
+//   every party     its share of the weighted sum of this rank's tokens
+//
+// Ordering: an arrival is bar.sync (or the warpgroup's named barrier) then one atom.acq_rel.gpu, so the last
+// arrival has acquired every store of the grid before it; its system-scope release to the peers carries them
+// (causality is transitive). Waiters acquire the release word, then bar.sync. After any failure (the abort
+// word) the combine barrier is skipped, so no peer sums slots this rank never wrote: it times out instead.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/combine/combine.cuh"
+#include "kernels/common/flags.cuh"
+#include "kernels/dispatch/dispatch.cuh"
+#include "kernels/fused/fused_common.cuh"
+#include "kernels/routing/routing_exchange.cuh"
+#include "kernels/routing/schedule.cuh"
+
+namespace pounce::fused {
+
+// The caller's tensors the fused forward reads or writes beyond the workspace.
+struct ForwardInputs {
+  const void* x;              // [T, H] bf16
+  const void* topk_idx;       // [T, k] int32 or int64
+  const float* topk_weights;  // [T, k]
+  void* out;                  // [T, H] bf16; written only when write_out
+  int64_t num_tokens;
+  bool idx_int64;
+  bool write_out;
+};
+
+__device__ __forceinline__ uint32_t* step_arrived(const layout::WorkspacePointers& ws,
+                                                  layout::FusedGridStep step) {
+  return ws.fused_counters + layout::kFusedGridArrived + step;
+}
+__device__ __forceinline__ uint32_t* step_released(const layout::WorkspacePointers& ws,
+                                                   layout::FusedGridStep step) {
+  return ws.fused_counters + layout::kFusedGridReleased + step;
+}
+
+// Waits for the release of `step` (one thread). Twice the call's bound: the releasing CTA may itself wait out
+// one bound at a cross-GPU barrier first.
+__device__ __forceinline__ bool wait_step_released(const layout::WorkspacePointers& ws,
+                                                   layout::FusedGridStep step) {
+  return wait_count(ws, step_released(ws, step), 1u, layout::WaitId::kFusedGridStep, step, 2 * ws.timeout_ns);
+}
+
+// The last arrival's release; a failed serial step aborts the kernel (its error is recorded already).
+__device__ __forceinline__ void release_step(const layout::WorkspacePointers& ws, layout::FusedGridStep step,
+                                             bool ok) {
+  if (!ok) atomicExch(counters_of(ws).abort(), 1u);
+  flags::st_release_gpu(step_released(ws, step), 1u);
+}
+
+// Whole CTA: arrive at `step`; the last CTA to arrive runs `serial()` (whole CTA; thread 0's result counts)
+// and releases the step; when `wait`, the others wait for that. False once any CTA failed.
+template <typename Serial>
+__device__ __forceinline__ bool cta_grid_step(const layout::WorkspacePointers& ws, int32_t& word,
+                                              layout::FusedGridStep step, bool wait, Serial&& serial) {
+  __syncthreads();  // the CTA's stores of this step are issued before thread 0 arrives
+  bool arrived_last = false;
+  if (threadIdx.x == 0) {
+    kernels::ptx::fence_proxy_async_global();  // staged x rows are read by TMA (the shared expert's tiles)
+    arrived_last = flags::atom_add_acq_rel_gpu(step_arrived(ws, step), 1u) == gridDim.x - 1;
+  }
+  const bool last = cta_broadcast(word, arrived_last);
+  if (last) {
+    const bool ok = serial();
+    __syncthreads();
+    if (threadIdx.x == 0) release_step(ws, step, ok);
+  } else if (wait && threadIdx.x == 0) {
+    wait_step_released(ws, step);
+  }
+  return !cta_broadcast(word, threadIdx.x == 0 && aborted(ws));
+}
+
+// The routing barrier by warp 0 of the calling CTA (thread 0's result).
+__device__ __forceinline__ bool cta_phase_barrier(const layout::WorkspacePointers& ws, layout::WaitId which) {
+  bool ok = true;
+  if (threadIdx.x < 32) ok = ws.num_ranks == 1 || flags::phase_barrier_warp(ws, which);
+  return ok;
+}
+
+// Every CTA, all threads, before the roles: stage x, exchange the routing, build the schedule. `scratch` is
+// shared memory for one [El] int32 counter array per warp (the stage ring's, unused until the tiles start).
+// False once any CTA failed.
+__device__ __forceinline__ bool run_forward_prologue(const layout::WorkspacePointers& ws,
+                                                     const ForwardInputs& in, int32_t* scratch,
+                                                     int32_t& word) {
+  dispatch::stage_x(ws, in.x, in.num_tokens);
+  routing::store_routing_to_peers(ws, in.topk_idx, in.idx_int64, in.num_tokens);
+  if (!cta_grid_step(ws, word, layout::kStepRouting, /*wait=*/true,
+                     [&] { return cta_phase_barrier(ws, layout::WaitId::kRoutingBarrier); }))
+    return false;
+
+  int32_t* counters = scratch + (threadIdx.x / 32) * ws.num_local_experts;
+  const int64_t warp = dispatch::global_warp(), num_warps = dispatch::num_global_warps();
+  routing::for_each_schedule_chunk(ws, warp, num_warps, counters, routing::schedule_count_chunk);
+  if (!cta_grid_step(ws, word, layout::kStepCounted, /*wait=*/true, [&] {
+        routing::schedule_scan(ws);
+        return true;  // an overflow is recorded and clamped, as on the staged path
+      }))
+    return false;
+
+  routing::for_each_schedule_chunk(ws, warp, num_warps, counters, routing::schedule_place_chunk);
+  kernels::ptx::fence_proxy_async_shared();  // the counters' smem is the stage ring's: TMA writes it next
+  return cta_grid_step(ws, word, layout::kStepPlaced, /*wait=*/false, [] { return true; });
+}
+
+// A communication CTA, before its first pull: every schedule row is placed.
+__device__ __forceinline__ bool wait_schedule_placed(const layout::WorkspacePointers& ws, int32_t& word) {
+  return cta_broadcast(word, threadIdx.x == 0 && wait_step_released(ws, layout::kStepPlaced));
+}
+
+// Warpgroup 1 or 2 of any CTA (a compute CTA's consumers call it inside their register branch:
+// run_compute_cta), all 128 threads, once its work (and, in a communication CTA, the whole CTA's:
+// the caller synchronised it) is issued: arrive at kStepFinished, the last party runs the combine barrier,
+// then every party sums its share of this rank's tokens (out = shared y + sum_j w_j y_j, combine.cuh).
+__device__ __forceinline__ void finish_forward(const layout::WorkspacePointers& ws, const ForwardInputs& in,
+                                               int warpgroup) {
+  const uint32_t barrier_id = static_cast<uint32_t>(warpgroup);  // the consumers' named barriers 1 and 2
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  kernels::ptx::named_barrier_sync(barrier_id, 128);
+  if (threadIdx.x % 128 < 32) {
+    uint32_t previous = 0;
+    if (lane == 0) previous = flags::atom_add_acq_rel_gpu(step_arrived(ws, layout::kStepFinished), 1u);
+    const bool last = __shfl_sync(0xffffffffu, previous, 0) == 2 * gridDim.x - 1;  // also a __syncwarp
+    if (last) {
+      bool ok = !aborted(ws);
+      if (ok && ws.num_ranks > 1) ok = flags::phase_barrier_warp(ws, layout::WaitId::kCombineBarrier);
+      if (lane == 0) release_step(ws, layout::kStepFinished, ok);
+    } else if (lane == 0) {
+      wait_step_released(ws, layout::kStepFinished);
+    }
+  }
+  kernels::ptx::named_barrier_sync(barrier_id, 128);
+  if (!in.write_out || in.num_tokens == 0 || aborted(ws)) return;
+  const int64_t worker = (static_cast<int64_t>(blockIdx.x) * 2 + (warpgroup - 1)) * 128 + threadIdx.x % 128;
+  combine::weighted_sum(ws, ws.sym_y_slots, in.topk_weights,
+                        ws.shared_intermediate > 0 ? ws.shared_y : nullptr, in.out, in.num_tokens, worker,
+                        static_cast<int64_t>(gridDim.x) * 256);
+}
+
+}  // namespace pounce::fused
