@@ -185,7 +185,11 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
   __shared__ SchedulerStorage<ForwardScheduler> scheduler;
   const layout::WorkspacePointers& ws = params.ws;
 
-  if (!run_forward_prologue(ws, params.in, reinterpret_cast<int32_t*>(ss.stages), slots.go)) return;
+  // Prologue scratch in the stage ring: the per-warp counters from its start, the scan's at its end.
+  auto* scan_scratch = reinterpret_cast<routing::ScanScratch*>(
+      reinterpret_cast<char*>(ss.stages) + sizeof(ss.stages) - sizeof(routing::ScanScratch));
+  if (!run_forward_prologue(ws, params.in, reinterpret_cast<int32_t*>(ss.stages), *scan_scratch, slots.go))
+    return;
   const int32_t role = start_cta(ws, params.comm_ctas, ss, slots);
   const int warpgroup = threadIdx.x / 128;
   if (role < params.comm_ctas) {

@@ -63,10 +63,16 @@ __device__ __forceinline__ bool wait_step_released(const layout::WorkspacePointe
   return wait_count(ws, step_released(ws, step), 1u, layout::WaitId::kFusedGridStep, step, 2 * ws.timeout_ns);
 }
 
+// Where the kernel's time goes (layout::kFusedStepTimes): plain stores, read by the host after the call.
+__device__ __forceinline__ unsigned long long* step_times(const layout::WorkspacePointers& ws) {
+  return reinterpret_cast<unsigned long long*>(ws.fused_counters + layout::kFusedStepTimes);
+}
+
 // The last arrival's release; a failed serial step aborts the kernel (its error is recorded already).
 __device__ __forceinline__ void release_step(const layout::WorkspacePointers& ws, layout::FusedGridStep step,
                                              bool ok) {
   if (!ok) atomicExch(counters_of(ws).abort(), 1u);
+  step_times(ws)[step == layout::kStepFinished ? 4 : step] = flags::global_timer_ns();
   flags::st_release_gpu(step_released(ws, step), 1u);
 }
 
@@ -100,11 +106,12 @@ __device__ __forceinline__ bool cta_phase_barrier(const layout::WorkspacePointer
 }
 
 // Every CTA, all threads, before the roles: stage x, exchange the routing, build the schedule. `scratch` is
-// shared memory for one [El] int32 counter array per warp (the stage ring's, unused until the tiles start).
+// shared memory for one [El] int32 counter array per warp and `scan_scratch` the scan's (both the stage
+// ring's, unused until the tiles start; they must not overlap).
 // False once any CTA failed.
 __device__ __forceinline__ bool run_forward_prologue(const layout::WorkspacePointers& ws,
                                                      const ForwardInputs& in, int32_t* scratch,
-                                                     int32_t& word) {
+                                                     routing::ScanScratch& scan_scratch, int32_t& word) {
   dispatch::stage_x(ws, in.x, in.num_tokens);
   routing::store_routing_to_peers(ws, in.topk_idx, in.idx_int64, in.num_tokens);
   if (!cta_grid_step(ws, word, layout::kStepRouting, /*wait=*/true,
@@ -115,7 +122,7 @@ __device__ __forceinline__ bool run_forward_prologue(const layout::WorkspacePoin
   const int64_t warp = dispatch::global_warp(), num_warps = dispatch::num_global_warps();
   routing::for_each_schedule_chunk(ws, warp, num_warps, counters, routing::schedule_count_chunk);
   if (!cta_grid_step(ws, word, layout::kStepCounted, /*wait=*/true, [&] {
-        routing::schedule_scan(ws);
+        routing::schedule_scan(ws, scan_scratch);
         return true;  // an overflow is recorded and clamped, as on the staged path
       }))
     return false;
@@ -144,6 +151,7 @@ __device__ __forceinline__ void finish_forward(const layout::WorkspacePointers& 
     if (lane == 0) previous = flags::atom_add_acq_rel_gpu(step_arrived(ws, layout::kStepFinished), 1u);
     const bool last = __shfl_sync(0xffffffffu, previous, 0) == 2 * gridDim.x - 1;  // also a __syncwarp
     if (last) {
+      if (lane == 0) step_times(ws)[3] = flags::global_timer_ns();
       bool ok = !aborted(ws);
       if (ok && ws.num_ranks > 1) ok = flags::phase_barrier_warp(ws, layout::WaitId::kCombineBarrier);
       if (lane == 0) release_step(ws, layout::kStepFinished, ok);
@@ -157,6 +165,8 @@ __device__ __forceinline__ void finish_forward(const layout::WorkspacePointers& 
   combine::weighted_sum(ws, ws.sym_y_slots, in.topk_weights,
                         ws.shared_intermediate > 0 ? ws.shared_y : nullptr, in.out, in.num_tokens, worker,
                         static_cast<int64_t>(gridDim.x) * 256);
+  kernels::ptx::named_barrier_sync(barrier_id, 128);
+  if (threadIdx.x % 128 == 0) atomicMax(step_times(ws) + 5, flags::global_timer_ns());
 }
 
 }  // namespace pounce::fused

@@ -88,7 +88,12 @@ enum FusedGridStep : int32_t {
 };
 inline constexpr int64_t kFusedGridArrived = 4;                                   // [kNumGridSteps]
 inline constexpr int64_t kFusedGridReleased = kFusedGridArrived + kNumGridSteps;  // [kNumGridSteps]
-inline constexpr int64_t kFusedHeaderWords = kFusedGridReleased + kNumGridSteps;
+// %globaltimer (ns, uint64 as two words) at: [0..2] routing, counted, placed released; [3] the last party
+// arrived at kStepFinished; [4] its release (after the combine barrier); [5] the last party's sum ended.
+// Read by the host under POUNCE_PROFILE_STAGES only.
+inline constexpr int kNumStepTimes = 6;
+inline constexpr int64_t kFusedStepTimes = kFusedGridReleased + kNumGridSteps;  // even: 8-byte aligned
+inline constexpr int64_t kFusedHeaderWords = kFusedStepTimes + 2 * kNumStepTimes;
 
 struct DeviceErrorRecord {
   int32_t code;      // DeviceErrorCode

@@ -92,16 +92,24 @@ __device__ __forceinline__ void schedule_count_chunk(const layout::WorkspacePoin
 }
 
 // ---- scan (one block): chunk bases, counts per (expert, source), segment offsets, padding rows ----
-__device__ __forceinline__ void schedule_scan(const layout::WorkspacePointers& ws) {
+// The scan's shared memory. The standalone kernel declares it; the fused kernel lends it from its stage ring,
+// whose static shared memory must stay small (above ~196 KB in all the SM gives up most of its L1).
+struct ScanScratch {
+  static constexpr int kMaxThreads = 1024;
+  int64_t warp_rows[32];
+  int32_t
+      per_thread[kMaxThreads];    // a run's chunk total in the chunk scan, then a segment's first padding row
+  uint8_t pad_rows[kMaxThreads];  // padding rows of a segment: fewer than BLOCK_M
+};
+
+__device__ __forceinline__ void schedule_scan(const layout::WorkspacePointers& ws, ScanScratch& scratch) {
   constexpr int kScanBatch = 16;  // chunk counts per batch: all its loads are in flight before any store
-  constexpr int kMaxThreads = 1024;
   const int El = ws.num_local_experts, R = ws.num_ranks, num_pairs = El * R;
   const int thread = static_cast<int>(threadIdx.x), num_threads = static_cast<int>(blockDim.x);
   const int lane = thread % 32, warp = thread / 32, num_warps = num_threads / 32;
-  // One int32 per thread: a run's chunk total in the chunk scan, then a segment's first padding row.
-  __shared__ int32_t per_thread[kMaxThreads];
-  __shared__ uint8_t pad_rows[kMaxThreads];  // padding rows of a segment: fewer than BLOCK_M
-  __shared__ int64_t warp_rows[32];
+  int32_t* per_thread = scratch.per_thread;
+  uint8_t* pad_rows = scratch.pad_rows;
+  int64_t* warp_rows = scratch.warp_rows;
 
   // Exclusive scan over chunks, in place, per (source, expert); totals into expert_src_count. Consecutive
   // threads take consecutive experts of one source, so every chunk's loads coalesce. When the block has
@@ -261,7 +269,9 @@ __global__ void __launch_bounds__(kNumThreads) schedule_count_kernel(layout::Wor
 }
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads) schedule_scan_kernel(layout::WorkspacePointers ws) {
-  schedule_scan(ws);
+  static_assert(kNumThreads <= ScanScratch::kMaxThreads, "the scan keeps one int32 per thread");
+  __shared__ ScanScratch scratch;
+  schedule_scan(ws, scratch);
 }
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads) schedule_place_kernel(layout::WorkspacePointers ws) {

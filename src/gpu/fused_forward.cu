@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -50,6 +51,25 @@ kernels::gemm::GroupedGemmArgs gemm_args(int64_t n, int64_t k, void* out0, void*
   args.activation = activation;
   args.error_flag = error_flag;
   return args;
+}
+
+// POUNCE_PROFILE_STAGES: where the fused kernel's time went, from the %globaltimer stamps of its grid steps
+// (kernels/fused/grid_steps.cuh). Synchronises the stream; skipped while capturing.
+void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) {
+  if (std::getenv("POUNCE_PROFILE_STAGES") == nullptr) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  POUNCE_CUDA(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return;
+  unsigned long long ns[layout::kNumStepTimes] = {};
+  POUNCE_CUDA(cudaMemcpyAsync(ns, p.fused_counters + layout::kFusedStepTimes, sizeof(ns),
+                              cudaMemcpyDeviceToHost, stream));
+  POUNCE_CUDA(cudaStreamSynchronize(stream));
+  auto ms = [&](int from, int to) { return ns[from] && ns[to] ? (ns[to] - ns[from]) * 1e-6 : -1.0; };
+  std::fprintf(
+      stderr,
+      "pounce profile rank %d fused forward inside: schedule %.3f (count+scan %.3f) tiles+transfers %.3f "
+      "combine barrier %.3f sum %.3f ms (from the routing barrier's release)\n",
+      p.rank, ms(0, 2), ms(0, 1), ms(2, 3), ms(3, 4), ms(4, 5));
 }
 
 }  // namespace
@@ -94,9 +114,11 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
                " has ", workspace.num_sms, "); use Config::kernel_path = KernelPath::kStaged");
   set_shared_limit_once<fused::fused_forward_kernel>(workspace.device, kFusedSharedBytes);
   // The prologue's schedule counters live in the stage ring's shared memory, one [El] array per warp.
-  POUNCE_CHECK(fused::kWarps * El * sizeof(int32_t) <= sizeof(kernels::gemm::SharedStorage::stages),
+  constexpr size_t kScratchBytes =
+      sizeof(kernels::gemm::SharedStorage::stages) - sizeof(routing::ScanScratch);
+  POUNCE_CHECK(fused::kWarps * El * sizeof(int32_t) <= kScratchBytes,
                "the fused kernel builds the schedule with ", fused::kWarps,
-               " x num_local_experts counters in ", sizeof(kernels::gemm::SharedStorage::stages),
+               " x num_local_experts counters in ", kScratchBytes,
                " bytes of shared memory; num_local_experts = ", El,
                " is too many: use Config::kernel_path = KernelPath::kStaged");
   StageTimer timer("forward", p.rank, stream);
@@ -159,6 +181,7 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   launch_config.numAttrs = 1;
   POUNCE_CUDA(cudaLaunchKernelEx(&launch_config, fused::fused_forward_kernel, maps, params));
   timer.mark("fused");
+  report_step_times(p, stream);
 }
 
 }  // namespace pounce::gpu
