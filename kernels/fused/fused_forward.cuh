@@ -1,7 +1,7 @@
 // The fused forward kernel (DESIGN.md §2, issue #4): the whole forward in ONE persistent launch, one CTA per
 // SM: stage x, routing exchange and barrier, schedule (grid_steps.cuh, every CTA), then dispatch, shared
-// expert, gate/up + activation, down and the combine (roles below), then the combine barrier and the weighted
-// sum (grid_steps.cuh again).
+// expert, gate/up + activation, down and the combine (roles below), then the combine barrier (grid_steps.cuh
+// again). The weighted sum is the next kernel on the stream.
 //
 // Roles, by arrival (the first `comm_ctas` CTAs to start communicate, so they are resident whenever any
 // compute CTA is and a compute CTA never waits on a communication CTA that cannot run):
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
         ws, slots.go, plan, role, [&](int64_t row) { dispatch::pull_row<8>(ws, row); },
         [&](int64_t row) { combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row); });
     __syncthreads();  // every warp's pushes are issued before warpgroups 1 and 2 arrive for the CTA
-    if (warpgroup > 0) finish_forward(ws, params.in, warpgroup);
+    if (warpgroup > 0) finish_forward(ws, warpgroup);
     return;
   }
   if (threadIdx.x == 0) {
@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       [&](const Task& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done) {
         return consume_task(ss, ring, params, task, warpgroup - 1, acc, done);
       },
-      [&] { finish_forward(ws, params.in, warpgroup); });
+      [&] { finish_forward(ws, warpgroup); });
 }
 
 }  // namespace pounce::fused

@@ -1,8 +1,8 @@
-// The fused forward's own beginning and end (issue #4: the routing exchange, the schedule, the combine
-// barrier and the weighted sum inside the one launch). The kernel is launched cooperatively, so every CTA is
-// resident and a CTA may wait for all the others. A grid step is an arrival count and a release word in the
-// fused counter header (layout::FusedGridStep): the last CTA (or party) to arrive does the step's serial work
-// and releases it; whoever needs the step done waits for the release.
+// The fused forward's own beginning and end (issue #4: the routing exchange, the schedule and the combine
+// barrier inside the one launch). The kernel is launched cooperatively, so every CTA is resident and a CTA
+// may wait for all the others. A grid step is an arrival count and a release word in the fused counter header
+// (layout::FusedGridStep): the last CTA (or party) to arrive does the step's serial work and releases it;
+// whoever needs the step done waits for the release.
 //
 //   every CTA       stage x; its routing ids into every peer          arrive kStepRouting
 //     last arrival  the cross-GPU routing barrier (one warp)           release; every CTA waits
@@ -14,20 +14,22 @@
 //   communication CTAs, which waited for kStepPlaced, so the release chain through rows_ready covers them)
 //   ... tiles and transfers ...
 //   every party     (warpgroups 1 and 2 of every CTA) done             arrive kStepFinished
-//     last arrival  the cross-GPU combine barrier (one warp)           release; every party waits
-//   every party     its share of the weighted sum of this rank's tokens
+//     last arrival  the cross-GPU combine barrier (one warp)           release (a timestamp; nobody waits)
+//
+// The weighted sum is the next kernel on the stream, not a step: a memory-bound pass wants several lean CTAs
+// per SM, and inside this kernel (one CTA of 256 usable threads per SM) it ran at half the speed (qwen3 0.136
+// vs 0.072 ms, deepseek 0.54 vs 0.24 ms; docs/design.md).
 //
 // Ordering: an arrival is bar.sync (or the warpgroup's named barrier) then one atom.acq_rel.gpu, so the last
 // arrival has acquired every store of the grid before it; its system-scope release to the peers carries them
 // (causality is transitive). Waiters acquire the release word, then bar.sync. After any failure (the abort
-// word) the combine barrier is skipped, so no peer sums slots this rank never wrote: it times out instead.
+// word) the combine barrier is skipped: the peers time out instead of summing slots this rank never wrote.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "kernels/combine/combine.cuh"
 #include "kernels/common/flags.cuh"
 #include "kernels/dispatch/dispatch.cuh"
 #include "kernels/fused/fused_common.cuh"
@@ -36,15 +38,12 @@
 
 namespace pounce::fused {
 
-// The caller's tensors the fused forward reads or writes beyond the workspace.
+// The caller's tensors the fused forward reads.
 struct ForwardInputs {
-  const void* x;              // [T, H] bf16
-  const void* topk_idx;       // [T, k] int32 or int64
-  const float* topk_weights;  // [T, k]
-  void* out;                  // [T, H] bf16; written only when write_out
+  const void* x;         // [T, H] bf16
+  const void* topk_idx;  // [T, k] int32 or int64
   int64_t num_tokens;
   bool idx_int64;
-  bool write_out;
 };
 
 __device__ __forceinline__ uint32_t* step_arrived(const layout::WorkspacePointers& ws,
@@ -138,35 +137,20 @@ __device__ __forceinline__ bool wait_schedule_placed(const layout::WorkspacePoin
 }
 
 // Warpgroup 1 or 2 of any CTA (a compute CTA's consumers call it inside their register branch:
-// run_compute_cta), all 128 threads, once its work (and, in a communication CTA, the whole CTA's:
-// the caller synchronised it) is issued: arrive at kStepFinished, the last party runs the combine barrier,
-// then every party sums its share of this rank's tokens (out = shared y + sum_j w_j y_j, combine.cuh).
-__device__ __forceinline__ void finish_forward(const layout::WorkspacePointers& ws, const ForwardInputs& in,
-                                               int warpgroup) {
-  const uint32_t barrier_id = static_cast<uint32_t>(warpgroup);  // the consumers' named barriers 1 and 2
+// run_compute_cta), all 128 threads, once its work (and, in a communication CTA, the whole CTA's: the caller
+// synchronised it) is issued: arrive at kStepFinished; the last party runs the combine barrier. Nobody waits
+// for it inside the kernel: the weighted sum is the next kernel on the stream (src/gpu/fused_forward.cu).
+__device__ __forceinline__ void finish_forward(const layout::WorkspacePointers& ws, int warpgroup) {
+  kernels::ptx::named_barrier_sync(static_cast<uint32_t>(warpgroup), 128);  // the consumers' ids 1 and 2
+  if (threadIdx.x % 128 >= 32) return;
   const int lane = static_cast<int>(threadIdx.x % 32);
-  kernels::ptx::named_barrier_sync(barrier_id, 128);
-  if (threadIdx.x % 128 < 32) {
-    uint32_t previous = 0;
-    if (lane == 0) previous = flags::atom_add_acq_rel_gpu(step_arrived(ws, layout::kStepFinished), 1u);
-    const bool last = __shfl_sync(0xffffffffu, previous, 0) == 2 * gridDim.x - 1;  // also a __syncwarp
-    if (last) {
-      if (lane == 0) step_times(ws)[3] = flags::global_timer_ns();
-      bool ok = !aborted(ws);
-      if (ok && ws.num_ranks > 1) ok = flags::phase_barrier_warp(ws, layout::WaitId::kCombineBarrier);
-      if (lane == 0) release_step(ws, layout::kStepFinished, ok);
-    } else if (lane == 0) {
-      wait_step_released(ws, layout::kStepFinished);
-    }
-  }
-  kernels::ptx::named_barrier_sync(barrier_id, 128);
-  if (!in.write_out || in.num_tokens == 0 || aborted(ws)) return;
-  const int64_t worker = (static_cast<int64_t>(blockIdx.x) * 2 + (warpgroup - 1)) * 128 + threadIdx.x % 128;
-  combine::weighted_sum(ws, ws.sym_y_slots, in.topk_weights,
-                        ws.shared_intermediate > 0 ? ws.shared_y : nullptr, in.out, in.num_tokens, worker,
-                        static_cast<int64_t>(gridDim.x) * 256);
-  kernels::ptx::named_barrier_sync(barrier_id, 128);
-  if (threadIdx.x % 128 == 0) atomicMax(step_times(ws) + 5, flags::global_timer_ns());
+  uint32_t previous = 0;
+  if (lane == 0) previous = flags::atom_add_acq_rel_gpu(step_arrived(ws, layout::kStepFinished), 1u);
+  if (__shfl_sync(0xffffffffu, previous, 0) != 2 * gridDim.x - 1) return;  // the shuffle is a __syncwarp too
+  if (lane == 0) step_times(ws)[3] = flags::global_timer_ns();
+  bool ok = !aborted(ws);
+  if (ok && ws.num_ranks > 1) ok = flags::phase_barrier_warp(ws, layout::WaitId::kCombineBarrier);
+  if (lane == 0) release_step(ws, layout::kStepFinished, ok);
 }
 
 }  // namespace pounce::fused

@@ -24,7 +24,7 @@ namespace pounce::layout {
 inline constexpr int64_t kBlockM = 128;           // GEMM tile height; equals pounce::kBlockM
 inline constexpr int64_t kRegionAlign = 256;      // every region starts 256-byte aligned
 inline constexpr int64_t kSymmetricAlign = 4096;  // NCCL_WIN_REQUIRED_ALIGNMENT
-inline constexpr int64_t kScheduleChunk = 1024;   // routing entries (token, slot) per schedule warp
+inline constexpr int64_t kScheduleChunk = 256;    // routing entries (token, slot) per schedule warp
 inline constexpr int64_t kBf16Bytes = 2;
 
 POUNCE_HOST_DEVICE constexpr int64_t round_up(int64_t value, int64_t multiple) {
@@ -89,9 +89,9 @@ enum FusedGridStep : int32_t {
 inline constexpr int64_t kFusedGridArrived = 4;                                   // [kNumGridSteps]
 inline constexpr int64_t kFusedGridReleased = kFusedGridArrived + kNumGridSteps;  // [kNumGridSteps]
 // %globaltimer (ns, uint64 as two words) at: [0..2] routing, counted, placed released; [3] the last party
-// arrived at kStepFinished; [4] its release (after the combine barrier); [5] the last party's sum ended.
-// Read by the host under POUNCE_PROFILE_STAGES only.
-inline constexpr int kNumStepTimes = 6;
+// arrived at kStepFinished; [4] its release (after the combine barrier). Read by the host under
+// POUNCE_PROFILE_STAGES only.
+inline constexpr int kNumStepTimes = 5;
 inline constexpr int64_t kFusedStepTimes = kFusedGridReleased + kNumGridSteps;  // even: 8-byte aligned
 inline constexpr int64_t kFusedHeaderWords = kFusedStepTimes + 2 * kNumStepTimes;
 

@@ -1,8 +1,8 @@
 // The fused forward (DESIGN.md §2, issue #4): the argument checks, a memset of the counters, then ONE
-// persistent cooperative kernel for the whole pass (kernels/fused/fused_forward.cuh): stage x, routing
-// exchange and barrier, schedule, dispatch, shared expert, gate/up + activation, down, combine, combine
-// barrier and weighted sum. Stream-ordered, nothing allocated, no routing count read on the host: capturable
-// like the staged chain.
+// persistent cooperative kernel for the pass (kernels/fused/fused_forward.cuh): stage x, routing exchange and
+// barrier, schedule, dispatch, shared expert, gate/up + activation, down, combine and combine barrier; then
+// the weighted sum kernel (memory-bound: kernels/fused/grid_steps.cuh says why it is not inside).
+// Stream-ordered, nothing allocated, no routing count read on the host: capturable like the staged chain.
 //
 // Heuristic (docs/design.md, "Fused forward", from the EP2 sweeps there):
 //   - several ranks and I < 1024 (qwen3: down tiles with a short mainloop, transfers heavy): the
@@ -68,8 +68,8 @@ void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) 
   std::fprintf(
       stderr,
       "pounce profile rank %d fused forward inside: schedule %.3f (count+scan %.3f) tiles+transfers %.3f "
-      "combine barrier %.3f sum %.3f ms (from the routing barrier's release)\n",
-      p.rank, ms(0, 2), ms(0, 1), ms(2, 3), ms(3, 4), ms(4, 5));
+      "combine barrier %.3f ms (from the routing barrier's release)\n",
+      p.rank, ms(0, 2), ms(0, 1), ms(2, 3), ms(3, 4));
 }
 
 }  // namespace
@@ -148,11 +148,8 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   params.ws = p;
   params.in.x = args.x.data;
   params.in.topk_idx = args.topk_idx.data;
-  params.in.topk_weights = args.topk_weights.as<const float>();
-  params.in.out = args.out.data;
   params.in.num_tokens = launch.num_tokens;
   params.in.idx_int64 = launch.idx_int64;
-  params.in.write_out = write_out;
   int32_t* gemm_error = reinterpret_cast<int32_t*>(p.fused_counters + layout::kFusedGemmError);
   params.gate_up = gemm_args(I, H, p.g_rows, p.u_rows, p.act_rows, launch.activation, gemm_error);
   params.down = gemm_args(H, I, p.y_rows, nullptr, nullptr, launch.activation, gemm_error);
@@ -182,6 +179,8 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   POUNCE_CUDA(cudaLaunchKernelEx(&launch_config, fused::fused_forward_kernel, maps, params));
   timer.mark("fused");
   report_step_times(p, stream);
+  launch_weighted_sum(workspace, args, launch, write_out, stream);
+  timer.mark("sum");
 }
 
 }  // namespace pounce::gpu

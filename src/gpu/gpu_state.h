@@ -115,6 +115,9 @@ ForwardLaunch launch_forward_prologue(GpuWorkspace& workspace, const ForwardArgs
                                       StageTimer& timer, cudaStream_t stream);
 void launch_forward_epilogue(GpuWorkspace& workspace, const ForwardArgs& args, const ForwardLaunch& launch,
                              bool write_out, StageTimer& timer, cudaStream_t stream);
+// The epilogue's last kernel alone, out = shared y + sum_j w_j y_j (after the combine barrier).
+void launch_weighted_sum(GpuWorkspace& workspace, const ForwardArgs& args, const ForwardLaunch& launch,
+                         bool write_out, cudaStream_t stream);
 
 // Launches the staged forward on `stream` (src/gpu/staged_forward.cu). `write_out` = false rebuilds the
 // forward context only (recompute_forward_context).

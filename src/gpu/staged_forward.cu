@@ -118,12 +118,18 @@ void launch_forward_epilogue(GpuWorkspace& workspace, const ForwardArgs& args, c
   // 8. Every output row has reached its owner after the barrier; weighted sum over slots.
   launch_barrier(p, layout::WaitId::kCombineBarrier, stream);
   timer.mark("barrier");
+  launch_weighted_sum(workspace, args, launch, write_out, stream);
+  timer.mark("sum");
+}
+
+void launch_weighted_sum(GpuWorkspace& workspace, const ForwardArgs& args, const ForwardLaunch& launch,
+                         bool write_out, cudaStream_t stream) {
+  const layout::WorkspacePointers p = workspace.pointers();
   if (write_out && launch.num_tokens > 0) {
     combine::weighted_sum_kernel<kCopyThreads><<<workspace.num_sms * 4, kCopyThreads, 0, stream>>>(
         p, p.sym_y_slots, args.topk_weights.as<const float>(),
         p.shared_intermediate > 0 ? p.shared_y : nullptr, args.out.data, launch.num_tokens);
   }
-  timer.mark("sum");
   POUNCE_CUDA(cudaGetLastError());
 }
 
