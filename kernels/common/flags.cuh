@@ -118,14 +118,18 @@ __device__ __forceinline__ void record_error(const layout::WorkspacePointers& ws
 }
 
 // ---- phase barrier across the ranks of the group ----
-// One peer's half of the barrier at `epoch`: release this rank's arrival into the peer's inbox, then acquire
-// the peer's arrival from this rank's own inbox. False (recorded) when the peer did not arrive in time.
-__device__ __forceinline__ bool arrive_and_wait_peer(const layout::WorkspacePointers& ws, int peer,
-                                                     uint32_t epoch, layout::WaitId which) {
-  // Release: this rank's earlier stores (all blocks, all earlier kernels) before the arrival flag.
+// This rank's arrival at `epoch` in peer `peer`'s inbox. Release: this rank's earlier stores (all blocks, all
+// earlier kernels) before the arrival flag.
+__device__ __forceinline__ void arrive_at_peer(const layout::WorkspacePointers& ws, int peer,
+                                               uint32_t epoch) {
   fence_acq_rel_sys();
   st_release_sys(ws.peer<uint32_t>(peer, ws.sym_barrier_inbox) + ws.rank, epoch);
-  // Acquire: the peer's stores before its arrival are visible after this load.
+}
+
+// Acquire: the peer's stores before its arrival at `epoch` are visible after this returns true. False
+// (recorded) when the peer did not arrive in time.
+__device__ __forceinline__ bool wait_for_peer(const layout::WorkspacePointers& ws, int peer, uint32_t epoch,
+                                              layout::WaitId which) {
   const uint32_t* inbox = ws.local_sym<uint32_t>(ws.sym_barrier_inbox) + peer;
   const uint32_t observed = wait_epoch_sys(inbox, epoch, ws.timeout_ns);
   if (epoch_reached(observed, epoch)) return true;
@@ -143,27 +147,30 @@ __device__ __forceinline__ bool phase_barrier_block(const layout::WorkspacePoint
   __syncthreads();
   const uint32_t epoch = *ws.barrier_epoch + 1;
   const int peer = static_cast<int>(threadIdx.x);
-  if (peer < ws.num_ranks && peer != ws.rank && !arrive_and_wait_peer(ws, peer, epoch, which)) timed_out = 1;
+  if (peer < ws.num_ranks && peer != ws.rank) {
+    arrive_at_peer(ws, peer, epoch);
+    if (!wait_for_peer(ws, peer, epoch, which)) timed_out = 1;
+  }
   __syncthreads();
   if (threadIdx.x == 0) *ws.barrier_epoch = epoch;
   return timed_out == 0;
 }
 
-// The same barrier run by one whole warp (inside the fused kernel, where the rest of the CTA is busy): lane
-// i handles peers i, i + 32, ... The caller has acquired every store of this GPU that must travel (the
-// grid's arrivals), so the lanes' system-scope releases carry them.
-__device__ __forceinline__ bool phase_barrier_warp(const layout::WorkspacePointers& ws,
-                                                   layout::WaitId which) {
+// The same barrier run by one whole warp at a given `epoch` (inside the fused kernel, which reserves its
+// epochs itself): lane i arrives at peers i, i + 32, ... first, then waits for them, so no arrival waits on
+// another peer's. The caller has ordered every store of this GPU that must travel before the warp (the
+// grid's arrivals, then __syncwarp or bar.sync), so the lanes' system-scope releases carry them.
+__device__ __forceinline__ bool phase_barrier_warp(const layout::WorkspacePointers& ws, layout::WaitId which,
+                                                   uint32_t epoch) {
   const int lane = static_cast<int>(threadIdx.x % 32);
-  const uint32_t epoch = __shfl_sync(0xffffffffu, lane == 0 ? *ws.barrier_epoch + 1 : 0u, 0);
+  for (int peer = lane; peer < ws.num_ranks; peer += 32) {
+    if (peer != ws.rank) arrive_at_peer(ws, peer, epoch);
+  }
   bool arrived = true;
   for (int peer = lane; peer < ws.num_ranks; peer += 32) {
-    if (peer != ws.rank) arrived = arrive_and_wait_peer(ws, peer, epoch, which) && arrived;
+    if (peer != ws.rank) arrived = wait_for_peer(ws, peer, epoch, which) && arrived;
   }
-  const bool all_arrived = __all_sync(0xffffffffu, arrived);
-  if (lane == 0) *ws.barrier_epoch = epoch;
-  __syncwarp();
-  return all_arrived;
+  return __all_sync(0xffffffffu, arrived);
 }
 
 }  // namespace pounce::flags

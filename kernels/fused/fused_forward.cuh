@@ -3,8 +3,8 @@
 // expert, gate/up + activation, down and the combine (roles below), then the combine barrier (grid_steps.cuh
 // again). The weighted sum is the next kernel on the stream.
 //
-// Roles, by arrival (the first `comm_ctas` CTAs to start communicate, so they are resident whenever any
-// compute CTA is and a compute CTA never waits on a communication CTA that cannot run):
+// Roles, by arrival after the prologue (the first `comm_ctas` CTAs to finish it communicate; the cooperative
+// launch keeps every CTA resident, so a compute CTA never waits on a communication CTA that cannot run):
 //   communication CTA: pulls the rows of routed minibatch 0, 1, ... (warps strided over the rows, every
 //     communication CTA a share of every minibatch), bumping rows_ready[j] after each.
 //   compute CTA: the GEMM mainloop of kernels/gemm with a task source instead of a static tile walk. The
@@ -186,6 +186,9 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
   const layout::WorkspacePointers& ws = params.ws;
 
   // Prologue scratch in the stage ring: the per-warp counters from its start, the scan's at its end.
+  static_assert(
+      GemmConfig::kNumThreads <= routing::ScanScratch::kMaxThreads && GemmConfig::kNumThreads % 32 == 0,
+      "the scan keeps one int32 per thread of whole warps");
   auto* scan_scratch = reinterpret_cast<routing::ScanScratch*>(
       reinterpret_cast<char*>(ss.stages) + sizeof(ss.stages) - sizeof(routing::ScanScratch));
   if (!run_forward_prologue(ws, params.in, reinterpret_cast<int32_t*>(ss.stages), *scan_scratch, slots.go))

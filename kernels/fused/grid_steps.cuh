@@ -71,7 +71,11 @@ __device__ __forceinline__ unsigned long long* step_times(const layout::Workspac
 __device__ __forceinline__ void release_step(const layout::WorkspacePointers& ws, layout::FusedGridStep step,
                                              bool ok) {
   if (!ok) atomicExch(counters_of(ws).abort(), 1u);
-  step_times(ws)[step == layout::kStepFinished ? 4 : step] = flags::global_timer_ns();
+  static_assert(layout::kTimeCombineBarrier == layout::kStepFinished + 1 &&
+                    layout::kTimePlacedReleased == layout::kStepPlaced,
+                "the step times of the released steps follow the steps' order");
+  step_times(ws)[step == layout::kStepFinished ? layout::kTimeCombineBarrier : step] =
+      flags::global_timer_ns();
   flags::st_release_gpu(step_released(ws, step), 1u);
 }
 
@@ -84,6 +88,7 @@ __device__ __forceinline__ bool cta_grid_step(const layout::WorkspacePointers& w
   bool arrived_last = false;
   if (threadIdx.x == 0) {
     kernels::ptx::fence_proxy_async_global();  // staged x rows are read by TMA (the shared expert's tiles)
+    flags::fence_acq_rel_sys();  // the routing ids stored into peers: ordered at system scope, not only GPU
     arrived_last = flags::atom_add_acq_rel_gpu(step_arrived(ws, step), 1u) == gridDim.x - 1;
   }
   const bool last = cta_broadcast(word, arrived_last);
@@ -97,11 +102,19 @@ __device__ __forceinline__ bool cta_grid_step(const layout::WorkspacePointers& w
   return !cta_broadcast(word, threadIdx.x == 0 && aborted(ws));
 }
 
-// The routing barrier by warp 0 of the calling CTA (thread 0's result).
-__device__ __forceinline__ bool cta_phase_barrier(const layout::WorkspacePointers& ws, layout::WaitId which) {
-  bool ok = true;
-  if (threadIdx.x < 32) ok = ws.num_ranks == 1 || flags::phase_barrier_warp(ws, which);
-  return ok;
+// The routing barrier, by warp 0 of the calling CTA (thread 0's result). It reserves both epochs of the call
+// (routing E + 1, combine E + 2) before it waits: a call that fails anywhere after this point leaves the
+// epoch where the peers' will be (they time out at the combine barrier, which advances theirs), so the next
+// call's barriers still pair up.
+__device__ __forceinline__ bool cta_routing_barrier(const layout::WorkspacePointers& ws) {
+  if (threadIdx.x >= 32) return true;
+  uint32_t base = 0;
+  if (threadIdx.x == 0) {
+    base = *ws.barrier_epoch;
+    *ws.barrier_epoch = base + 2;  // read by the combine barrier's warp after the step's release
+  }
+  base = __shfl_sync(0xffffffffu, base, 0);
+  return ws.num_ranks == 1 || flags::phase_barrier_warp(ws, layout::WaitId::kRoutingBarrier, base + 1);
 }
 
 // Every CTA, all threads, before the roles: stage x, exchange the routing, build the schedule. `scratch` is
@@ -113,8 +126,7 @@ __device__ __forceinline__ bool run_forward_prologue(const layout::WorkspacePoin
                                                      routing::ScanScratch& scan_scratch, int32_t& word) {
   dispatch::stage_x(ws, in.x, in.num_tokens);
   routing::store_routing_to_peers(ws, in.topk_idx, in.idx_int64, in.num_tokens);
-  if (!cta_grid_step(ws, word, layout::kStepRouting, /*wait=*/true,
-                     [&] { return cta_phase_barrier(ws, layout::WaitId::kRoutingBarrier); }))
+  if (!cta_grid_step(ws, word, layout::kStepRouting, /*wait=*/true, [&] { return cta_routing_barrier(ws); }))
     return false;
 
   int32_t* counters = scratch + (threadIdx.x / 32) * ws.num_local_experts;
@@ -138,18 +150,32 @@ __device__ __forceinline__ bool wait_schedule_placed(const layout::WorkspacePoin
 
 // Warpgroup 1 or 2 of any CTA (a compute CTA's consumers call it inside their register branch:
 // run_compute_cta), all 128 threads, once its work (and, in a communication CTA, the whole CTA's: the caller
-// synchronised it) is issued: arrive at kStepFinished; the last party runs the combine barrier. Nobody waits
-// for it inside the kernel: the weighted sum is the next kernel on the stream (src/gpu/fused_forward.cu).
+// synchronised it) is issued: arrive at kStepFinished; the last party runs the combine barrier at the epoch
+// the routing barrier reserved. Nobody waits for it inside the kernel: the weighted sum is the next kernel on
+// the stream (src/gpu/fused_forward.cu). Named barriers 3 and 4: a warpgroup whose warps failed apart at a
+// tile (per-thread timeouts) must not pair this barrier with count_tile_stored's 1 and 2.
+inline constexpr uint32_t kFinishBarrierBase = 3;
 __device__ __forceinline__ void finish_forward(const layout::WorkspacePointers& ws, int warpgroup) {
-  kernels::ptx::named_barrier_sync(static_cast<uint32_t>(warpgroup), 128);  // the consumers' ids 1 and 2
+  kernels::ptx::named_barrier_sync(kFinishBarrierBase + static_cast<uint32_t>(warpgroup) - 1, 128);
   if (threadIdx.x % 128 >= 32) return;
   const int lane = static_cast<int>(threadIdx.x % 32);
   uint32_t previous = 0;
-  if (lane == 0) previous = flags::atom_add_acq_rel_gpu(step_arrived(ws, layout::kStepFinished), 1u);
-  if (__shfl_sync(0xffffffffu, previous, 0) != 2 * gridDim.x - 1) return;  // the shuffle is a __syncwarp too
-  if (lane == 0) step_times(ws)[3] = flags::global_timer_ns();
-  bool ok = !aborted(ws);
-  if (ok && ws.num_ranks > 1) ok = flags::phase_barrier_warp(ws, layout::WaitId::kCombineBarrier);
+  if (lane == 0) {
+    flags::fence_acq_rel_sys();  // the warpgroup's stores into peers' slots, ordered at system scope
+    previous = flags::atom_add_acq_rel_gpu(step_arrived(ws, layout::kStepFinished), 1u);
+  }
+  __syncwarp();  // lane 0's acquire of the grid's stores precedes the other lanes' releases to the peers
+  if (__shfl_sync(0xffffffffu, previous, 0) != 2 * gridDim.x - 1) return;
+  uint32_t go = 0, epoch = 0;
+  if (lane == 0) {
+    step_times(ws)[layout::kTimeLastFinished] = flags::global_timer_ns();
+    go = aborted(ws) ? 0u : 1u;  // after a failure no peer may sum this rank's slots: skip the barrier
+    epoch = *ws.barrier_epoch;
+  }
+  go = __shfl_sync(0xffffffffu, go, 0);
+  epoch = __shfl_sync(0xffffffffu, epoch, 0);
+  bool ok = go != 0;
+  if (ok && ws.num_ranks > 1) ok = flags::phase_barrier_warp(ws, layout::WaitId::kCombineBarrier, epoch);
   if (lane == 0) release_step(ws, layout::kStepFinished, ok);
 }
 

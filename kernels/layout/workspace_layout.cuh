@@ -78,7 +78,7 @@ inline constexpr int64_t kFusedRole = 1;       // CTAs started so far: the first
 inline constexpr int64_t kFusedAbort = 2;      // non-zero once any CTA failed: every wait gives up
 inline constexpr int64_t kFusedGemmError = 3;  // the GEMM stage ring's WaitError (scratch)
 // The fused forward's grid-wide steps (kernels/fused/grid_steps.cuh): CTAs (or parties) arrived, and the
-// step's release by the last arrival (1: done, 2: failed).
+// step's release word (1 once the last arrival released it; a failure sets kFusedAbort instead).
 enum FusedGridStep : int32_t {
   kStepRouting = 0,
   kStepCounted = 1,
@@ -88,10 +88,16 @@ enum FusedGridStep : int32_t {
 };
 inline constexpr int64_t kFusedGridArrived = 4;                                   // [kNumGridSteps]
 inline constexpr int64_t kFusedGridReleased = kFusedGridArrived + kNumGridSteps;  // [kNumGridSteps]
-// %globaltimer (ns, uint64 as two words) at: [0..2] routing, counted, placed released; [3] the last party
-// arrived at kStepFinished; [4] its release (after the combine barrier). Read by the host under
+// %globaltimer (ns, uint64 as two words) of the kernel's milestones, read by the host under
 // POUNCE_PROFILE_STAGES only.
-inline constexpr int kNumStepTimes = 5;
+enum FusedStepTime : int32_t {
+  kTimeRoutingReleased = 0,
+  kTimeCountedReleased = 1,
+  kTimePlacedReleased = 2,
+  kTimeLastFinished = 3,    // the last party arrived at kStepFinished
+  kTimeCombineBarrier = 4,  // ... and passed the combine barrier
+  kNumStepTimes = 5
+};
 inline constexpr int64_t kFusedStepTimes = kFusedGridReleased + kNumGridSteps;  // even: 8-byte aligned
 inline constexpr int64_t kFusedHeaderWords = kFusedStepTimes + 2 * kNumStepTimes;
 

@@ -7,7 +7,8 @@
 //   row(le, s, i) = group_row_offset[le] + sum_{s'} min(count[le][s'], i) + #{s' < s : count[le][s'] > i}
 // and each segment is padded with {-1,-1,-1} rows up to a multiple of BLOCK_M = 128.
 //
-// Three kernels, no atomics on positions (so the table is identical on every run):
+// Three steps, no atomics on positions (so the table is identical on every run); each a device function that
+// the staged path runs as a kernel and the fused forward inside its launch (kernels/fused/grid_steps.cuh):
 //   count : one warp per (source, chunk of kScheduleChunk entries): pairs per local expert in the chunk
 //   scan  : one block: exclusive chunk bases per (source, expert), totals, padded segment offsets, padding
 //   place : the count warps again: rank of a pair inside its chunk (warp match + running counters in
@@ -254,10 +255,10 @@ __device__ __forceinline__ void for_each_schedule_chunk(const layout::WorkspaceP
 }
 
 // ---- standalone kernels of the staged path ----
-// count and place: grid (ceil(max_chunks / 4), R), kScheduleThreads threads, 4 * El int32 of dynamic smem.
 __device__ __forceinline__ int32_t* warp_counters(int32_t* smem_counters, int num_local_experts) {
   return smem_counters + static_cast<int>(threadIdx.x / 32) * num_local_experts;
 }
+// count and place: grid (ceil(max_chunks / 4), R), kScheduleThreads threads, 4 * El int32 of dynamic smem.
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads) schedule_count_kernel(layout::WorkspacePointers ws) {
   static_assert(kNumThreads == kScheduleThreads, "the schedule kernels run kScheduleWarpsPerBlock warps");

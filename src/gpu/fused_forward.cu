@@ -69,7 +69,10 @@ void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) 
       stderr,
       "pounce profile rank %d fused forward inside: schedule %.3f (count+scan %.3f) tiles+transfers %.3f "
       "combine barrier %.3f ms (from the routing barrier's release)\n",
-      p.rank, ms(0, 2), ms(0, 1), ms(2, 3), ms(3, 4));
+      p.rank, ms(layout::kTimeRoutingReleased, layout::kTimePlacedReleased),
+      ms(layout::kTimeRoutingReleased, layout::kTimeCountedReleased),
+      ms(layout::kTimePlacedReleased, layout::kTimeLastFinished),
+      ms(layout::kTimeLastFinished, layout::kTimeCombineBarrier));
 }
 
 }  // namespace
@@ -176,7 +179,15 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   launch_config.stream = stream;
   launch_config.attrs = &cooperative;
   launch_config.numAttrs = 1;
-  POUNCE_CUDA(cudaLaunchKernelEx(&launch_config, fused::fused_forward_kernel, maps, params));
+  const cudaError_t launched = cudaLaunchKernelEx(&launch_config, fused::fused_forward_kernel, maps, params);
+  if (launched == cudaErrorCooperativeLaunchTooLarge) {
+    (void)cudaGetLastError();  // clear it: the call fails here, the workspace stays usable
+    POUNCE_CHECK(
+        false, "the fused forward needs one resident CTA on each of the device's ", workspace.num_sms,
+        " SMs (a cooperative launch) and the device cannot give them now (an MPS or green-context SM "
+        "limit?); use Config::kernel_path = KernelPath::kStaged");
+  }
+  POUNCE_CUDA(launched);
   timer.mark("fused");
   report_step_times(p, stream);
   launch_weighted_sum(workspace, args, launch, write_out, stream);
