@@ -70,6 +70,10 @@ struct ForwardTaskShape {
   POUNCE_HOST_DEVICE int32_t down_tiles(int32_t u) const {
     return blocks(u) * (is_shared(u) ? shared_down_n : down_n);
   }
+  // Every tile of the list.
+  POUNCE_HOST_DEVICE int32_t num_tiles() const {
+    return shared_m_blocks * (shared_gate_up_n + shared_down_n) + routed_m_blocks * (gate_up_n + down_n);
+  }
 };
 
 // Walks the list forward. One cursor per CTA: a CTA's tickets only grow, so the cursor never rewinds.
