@@ -1,12 +1,16 @@
 // Host launchers of the grouped GEMMs: argument checks, tensor maps, persistent grid sizing.
 #include "kernels/gemm/grouped_gemm.h"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 
 #include "kernels/common/tma.h"
 #include "kernels/gemm/gemm_operands.h"
 #include "kernels/gemm/grouped_gemm_kernel.cuh"
+#include "kernels/gemm/pair_gemm_kernel.cuh"
 #include "pounce/error.h"
 
 namespace pounce::kernels {
@@ -32,9 +36,51 @@ void set_shared_limit() {
                                               static_cast<int>(gemm::kSharedBytes)));
 }
 
+constexpr int kPairClusterSize = 2;
+
+// The launch configuration of a pair kernel (pair_gemm_kernel.cuh): clusters of two CTAs along x.
+struct PairLaunch {
+  cudaLaunchAttribute cluster{};
+  cudaLaunchConfig_t config{};
+  PairLaunch(int grid, cudaStream_t stream) {
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = kPairClusterSize;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.gridDim = dim3(static_cast<unsigned>(grid));
+    config.blockDim = dim3(GemmConfig::kNumThreads);
+    config.dynamicSmemBytes = gemm::kSharedBytes;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+  }
+};
+
+// Clusters of the pair kernel that fit on the device at once (its persistent grid).
+template <KernelKind kKind>
+int pair_clusters(int num_sms) {
+  POUNCE_GEMM_CUDA_CHECK(cudaFuncSetAttribute(gemm::grouped_gemm_pair_kernel<kKind>,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(gemm::kSharedBytes)));
+  PairLaunch launch(num_sms / kPairClusterSize * kPairClusterSize, nullptr);
+  int clusters = 0;
+  POUNCE_GEMM_CUDA_CHECK(
+      cudaOccupancyMaxActiveClusters(&clusters, gemm::grouped_gemm_pair_kernel<kKind>, &launch.config));
+  return clusters;
+}
+
+// POUNCE_GEMM_PAIRS=1: the forward GEMMs run on CTA pairs sharing the weight tiles (an experiment, read at
+// every launch so that a test can compare both).
+bool pairs_requested() {
+  const char* value = std::getenv("POUNCE_GEMM_PAIRS");
+  return value != nullptr && std::strcmp(value, "1") == 0;
+}
+
 struct DeviceInfo {
   int num_sms = 0;
   int32_t* error_flag = nullptr;
+  int store_pair_clusters = 0;  // co-resident clusters of the pair kernels
+  int gate_up_pair_clusters = 0;
 };
 
 // SM count, error flag address and the opt-in shared-memory limit, set up once per device.
@@ -61,6 +107,8 @@ const DeviceInfo& device_info() {
     set_shared_limit<KernelKind::kDataGrad>();
     set_shared_limit<KernelKind::kDataGradActivation>();
     set_shared_limit<KernelKind::kWeightGrad>();
+    info.store_pair_clusters = pair_clusters<KernelKind::kForwardStore>(info.num_sms);
+    info.gate_up_pair_clusters = pair_clusters<KernelKind::kForwardGateUp>(info.num_sms);
     infos[device] = info;
     ready[device].store(true, std::memory_order_release);
   }
@@ -149,6 +197,28 @@ void launch(GemmOperands operands, int64_t max_tiles, int max_ctas, cudaStream_t
   gemm::grouped_gemm_kernel<kKind><<<grid, GemmConfig::kNumThreads, gemm::kSharedBytes, stream>>>(
       operands.a, operands.b0, operands.b1, operands.args);
   POUNCE_GEMM_CUDA_CHECK(cudaGetLastError());
+}
+
+// The forward kinds on CTA pairs (pair_gemm_kernel.cuh): a persistent grid of co-resident clusters, capped
+// like `launch` (rounded down to whole pairs, at least one).
+template <KernelKind kKind>
+void launch_pairs(GemmOperands operands, int64_t max_tiles, int max_ctas, cudaStream_t stream) {
+  static_assert(kKind == KernelKind::kForwardStore || kKind == KernelKind::kForwardGateUp,
+                "pairs share a K-major weight tile: the forward kinds only");
+  const DeviceInfo& info = device_info();
+  operands.args.error_flag = info.error_flag;
+  const int fitting =
+      kKind == KernelKind::kForwardStore ? info.store_pair_clusters : info.gate_up_pair_clusters;
+  POUNCE_CHECK(fitting > 0,
+               "POUNCE_GEMM_PAIRS=1 but no cluster of two grouped-GEMM CTAs fits on this device; "
+               "unset it");
+  const int ctas = max_ctas > 0 ? std::min(max_ctas, info.num_sms) : info.num_sms;
+  const int64_t clusters =
+      std::max<int64_t>(1, std::min<int64_t>(std::min<int64_t>(fitting, ctas / kPairClusterSize),
+                                             (max_tiles + 1) / kPairClusterSize));
+  PairLaunch launch(static_cast<int>(clusters * kPairClusterSize), stream);
+  POUNCE_GEMM_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, gemm::grouped_gemm_pair_kernel<kKind>, operands.a,
+                                            operands.b0, operands.b1, operands.args));
 }
 
 // Upper bound of the tiles of a row-grouped GEMM: every row block of the capacity times the column blocks.
@@ -289,6 +359,11 @@ void grouped_gemm(const GroupedRows& rows, const void* a, const void* b, void* c
                   cudaStream_t stream) {
   const GemmOperands operands = store_operands(rows, a, b, c, n, k);
   if (rows.max_rows == 0) return;
+  if (pairs_requested()) {
+    launch_pairs<KernelKind::kForwardStore>(operands, row_tiles(rows, n, GemmConfig::BLOCK_N), rows.max_ctas,
+                                            stream);
+    return;
+  }
   launch<KernelKind::kForwardStore>(operands, row_tiles(rows, n, GemmConfig::BLOCK_N), rows.max_ctas, stream);
 }
 
@@ -297,6 +372,11 @@ void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate,
                      cudaStream_t stream) {
   const GemmOperands operands = gate_up_operands(rows, a, w_gate, w_up, g, u, act, n, k, activation);
   if (rows.max_rows == 0) return;
+  if (pairs_requested()) {
+    launch_pairs<KernelKind::kForwardGateUp>(operands, row_tiles(rows, n, GemmConfig::BLOCK_N / 2),
+                                             rows.max_ctas, stream);
+    return;
+  }
   launch<KernelKind::kForwardGateUp>(operands, row_tiles(rows, n, GemmConfig::BLOCK_N / 2), rows.max_ctas,
                                      stream);
 }

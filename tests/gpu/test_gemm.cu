@@ -619,4 +619,51 @@ TEST(GroupedWeightGrad, ZeroCapacityStillOwesZeros) {
   EXPECT_TRUE(runs.accumulated == prefill) << "accumulate must leave main_grad untouched";
 }
 
+// ---- CTA pairs sharing weight tiles (POUNCE_GEMM_PAIRS=1, kernels/gemm/pair_gemm_kernel.cuh) ----
+
+// Sets POUNCE_GEMM_PAIRS for one scope.
+struct PairsRequested {
+  explicit PairsRequested(bool on) {
+    if (on) {
+      setenv("POUNCE_GEMM_PAIRS", "1", 1);
+    } else {
+      unsetenv("POUNCE_GEMM_PAIRS");
+    }
+  }
+  ~PairsRequested() { unsetenv("POUNCE_GEMM_PAIRS"); }
+};
+
+// Groups with odd m-block counts (rank 1 of the last pair computes a copy and stores nothing), empty groups
+// and a masked edge tile: both forward kinds against the reference, then bitwise against the one-CTA kernel.
+TEST(GroupedGemmPairs, AgainstReferenceAndBitwiseSingleCta) {
+  SKIP_WITHOUT_GPU();
+  const Problem store{{128, 0, 384, 256, 0, 640, 128}, 1792, 448, 320, 3};
+  const Problem gate_up{{384, 0, 128, 256}, 896, 320, 256, 2};
+  const ActivationParams act{pounce::kernels::kActivationSwiGLU, 0.5f, 1.f};
+  {
+    PairsRequested pairs(true);
+    ASSERT_NO_FATAL_FAILURE(run_grouped_gemm(store));
+    ASSERT_NO_FATAL_FAILURE(run_gate_up(gate_up, act));
+  }
+  // Bitwise: the same inputs through both kernels.
+  const auto off = store.offsets();
+  const int groups = static_cast<int>(store.rows_per_group.size());
+  const auto a = random_bf16(static_cast<size_t>(store.max_rows * store.k), 91, 1.0f);
+  const auto b = random_bf16(static_cast<size_t>(groups * store.n * store.k), 92, 0.25f);
+  DeviceBuffer<uint16_t> d_a(a), d_b(b), d_c(static_cast<size_t>(store.max_rows * store.n));
+  DeviceBuffer<int32_t> d_off(off);
+  ASSERT_TRUE(d_a.ptr && d_b.ptr && d_c.ptr && d_off.ptr);
+  const GroupedRows rows{store.max_rows, d_off.ptr, groups};
+  const size_t count = static_cast<size_t>(store.max_rows * store.n);
+  std::vector<uint16_t> out[2];
+  for (int with_pairs = 0; with_pairs < 2; ++with_pairs) {
+    PairsRequested pairs(with_pairs == 1);
+    ASSERT_NO_FATAL_FAILURE(run_twice(
+        [&] { pounce::kernels::grouped_gemm(rows, d_a.ptr, d_b.ptr, d_c.ptr, store.n, store.k, nullptr); },
+        d_c, count, out[with_pairs]));
+  }
+  EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), count * 2), 0)
+      << "pairs differ from the one-CTA kernel";
+}
+
 }  // namespace
