@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU machine, repo root, build folder of branch gemm-pairs carried: the CTA-pair GEMM experiment in one
+# GPU machine, repo root, build folder carried: the CTA-pair GEMM experiment (pair_gemm_kernel.cuh) in one
 # call. The pair test, then the grouped GEMM bench and the staged forward (which calls the standalone GEMMs)
 # with and without POUNCE_GEMM_PAIRS=1.
 set -uo pipefail

@@ -56,9 +56,14 @@ struct PairLaunch {
   }
 };
 
-// Clusters of the pair kernel that fit on the device at once (its persistent grid).
+// Clusters of the pair kernel that fit on the device at once (its persistent grid), asked once per device
+// and kind, on the first pair launch (nothing of it runs unless POUNCE_GEMM_PAIRS=1).
 template <KernelKind kKind>
 int pair_clusters(int num_sms) {
+  static std::array<std::atomic<int>, kMaxDevices> known{};  // 0 = not asked yet
+  int device = 0;
+  POUNCE_GEMM_CUDA_CHECK(cudaGetDevice(&device));
+  if (const int clusters = known[device].load(std::memory_order_acquire); clusters > 0) return clusters;
   POUNCE_GEMM_CUDA_CHECK(cudaFuncSetAttribute(gemm::grouped_gemm_pair_kernel<kKind>,
                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(gemm::kSharedBytes)));
@@ -66,6 +71,7 @@ int pair_clusters(int num_sms) {
   int clusters = 0;
   POUNCE_GEMM_CUDA_CHECK(
       cudaOccupancyMaxActiveClusters(&clusters, gemm::grouped_gemm_pair_kernel<kKind>, &launch.config));
+  known[device].store(clusters, std::memory_order_release);
   return clusters;
 }
 
@@ -79,8 +85,6 @@ bool pairs_requested() {
 struct DeviceInfo {
   int num_sms = 0;
   int32_t* error_flag = nullptr;
-  int store_pair_clusters = 0;  // co-resident clusters of the pair kernels
-  int gate_up_pair_clusters = 0;
 };
 
 // SM count, error flag address and the opt-in shared-memory limit, set up once per device.
@@ -107,8 +111,6 @@ const DeviceInfo& device_info() {
     set_shared_limit<KernelKind::kDataGrad>();
     set_shared_limit<KernelKind::kDataGradActivation>();
     set_shared_limit<KernelKind::kWeightGrad>();
-    info.store_pair_clusters = pair_clusters<KernelKind::kForwardStore>(info.num_sms);
-    info.gate_up_pair_clusters = pair_clusters<KernelKind::kForwardGateUp>(info.num_sms);
     infos[device] = info;
     ready[device].store(true, std::memory_order_release);
   }
@@ -207,8 +209,7 @@ void launch_pairs(GemmOperands operands, int64_t max_tiles, int max_ctas, cudaSt
                 "pairs share a K-major weight tile: the forward kinds only");
   const DeviceInfo& info = device_info();
   operands.args.error_flag = info.error_flag;
-  const int fitting =
-      kKind == KernelKind::kForwardStore ? info.store_pair_clusters : info.gate_up_pair_clusters;
+  const int fitting = pair_clusters<kKind>(info.num_sms);
   POUNCE_CHECK(fitting > 0,
                "POUNCE_GEMM_PAIRS=1 but no cluster of two grouped-GEMM CTAs fits on this device; "
                "unset it");

@@ -477,17 +477,19 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t tile_base, int kk) {
   }
 }
 
-// Multiplies this warpgroup's 64 rows of one tile over K blocks [kb_begin, kb_end) into `acc`; each stage
-// read is handed back by `release(stage)` (every thread calls it). False when a stage never filled (recorded
-// in args.error_flag).
-template <GemmKind kKind, typename Release>
-__device__ __forceinline__ bool multiply_tile_releasing(SharedStorage& ss, RingPosition& ring,
-                                                        const GroupedGemmArgs& args, int32_t kb_begin,
-                                                        int32_t kb_end, int consumer_idx, float (&acc)[128],
-                                                        Release&& release) {
+// Multiplies this warpgroup's 64 rows of one tile over K blocks [kb_begin, kb_end) into `acc`. False when a
+// stage never filled (recorded in args.error_flag).
+template <GemmKind kKind>
+__device__ __forceinline__ bool multiply_tile(SharedStorage& ss, RingPosition& ring,
+                                              const GroupedGemmArgs& args, int32_t kb_begin, int32_t kb_end,
+                                              int consumer_idx, float (&acc)[128]) {
   using C = GemmConfig;
+  const int lane = threadIdx.x % 32;
   // This warpgroup's 64 rows of A: rows 64c.. of a K-major tile, or box c of an M-major one; both 8 KB in.
   const uint32_t a_offset_bytes = consumer_idx * 64 * C::BLOCK_K * 2;
+  auto release = [&](uint32_t s) {
+    if (lane == 0) ptx::mbarrier_arrive(&ss.empty[s]);
+  };
   uint32_t prev_stage = 0;
   for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
     if (!ptx::mbarrier_wait_parity_bounded(&ss.full[ring.stage], ring.phase, C::kWaitTimeoutNs)) {
@@ -517,16 +519,6 @@ __device__ __forceinline__ bool multiply_tile_releasing(SharedStorage& ss, RingP
   fence_accumulators(acc);
   if (kb_end > kb_begin) release(prev_stage);
   return true;
-}
-
-// The same, each stage handed back to this CTA's producer (one arrival per warp).
-template <GemmKind kKind>
-__device__ __forceinline__ bool multiply_tile(SharedStorage& ss, RingPosition& ring,
-                                              const GroupedGemmArgs& args, int32_t kb_begin, int32_t kb_end,
-                                              int consumer_idx, float (&acc)[128]) {
-  return multiply_tile_releasing<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, [&](uint32_t s) {
-    if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&ss.empty[s]);
-  });
 }
 
 // This lane's first row of a tile (the second is 8 below): consumer warpgroup, warp and quad.

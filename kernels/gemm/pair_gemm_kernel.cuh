@@ -4,7 +4,7 @@
 // a CTA then loads 16 KB of A and half of the 32 KB of B (gate/up: rank 0 the gate rows, rank 1 the up rows;
 // store: rank 0 all 256 rows), so the L2 -> SM traffic per k-block drops from 48 KB to 32 KB per CTA.
 // Selected by POUNCE_GEMM_PAIRS=1 in the standalone launchers only (grouped_gemm.cu); the layer's default
-// paths do not use it until it is measured.
+// paths do not use it until it is measured (not run on a GPU yet).
 //
 // Pairs: cluster c takes pair tiles c, c + clusters, ...; a pair tile is m-blocks 2q, 2q + 1 of one group and
 // one n-block, rank r computing m-block 2q + r. When the group has an odd number of m-blocks, rank 1 of its
@@ -113,6 +113,53 @@ __device__ __forceinline__ bool produce_pair_tile(SharedStorage& ss, RingPositio
   return true;
 }
 
+// multiply_tile of grouped_gemm_kernel.cuh over a whole pair tile, each stage handed back to BOTH CTAs'
+// producers (either one's multicast overwrites it in both). Kept apart from multiply_tile so that the
+// measured one-CTA mainloop is untouched while this is an experiment.
+template <GemmKind kKind>
+__device__ __forceinline__ bool multiply_pair_tile(SharedStorage& ss, RingPosition& ring,
+                                                   const GroupedGemmArgs& args, int consumer_idx,
+                                                   uint32_t peer, float (&acc)[128]) {
+  using C = GemmConfig;
+  const uint32_t a_offset_bytes = consumer_idx * 64 * C::BLOCK_K * 2;
+  auto release = [&](uint32_t s) {
+    if (threadIdx.x % 32 == 0) {
+      ptx::mbarrier_arrive(&ss.empty[s]);
+      ptx::mbarrier_arrive_cluster(&ss.empty[s], peer);
+    }
+  };
+  const int32_t num_k_blocks = args.k / C::BLOCK_K;
+  uint32_t prev_stage = 0;
+  for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
+    if (!ptx::mbarrier_wait_parity_bounded(&ss.full[ring.stage], ring.phase, C::kWaitTimeoutNs)) {
+      ptx::wgmma_wait_group<0>();
+      record_error(args.error_flag, WaitError::kFullStage);
+      return false;
+    }
+    const uint32_t a_base = ptx::smem_addr(ss.stages[ring.stage].a) + a_offset_bytes;
+    const uint32_t b_base = ptx::smem_addr(ss.stages[ring.stage].b);
+    fence_accumulators(acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < C::BLOCK_K / 16; ++kk) {
+      ptx::wgmma_m64n256k16_bf16<false, false>(acc, smem_desc<Major::kK>(a_base, kk),
+                                               smem_desc<Major::kK>(b_base, kk), kb > 0 || kk > 0);
+    }
+    ptx::wgmma_commit_group();
+    fence_accumulators(acc);
+    if (kb > 0) {
+      ptx::wgmma_wait_group<1>();
+      release(prev_stage);
+    }
+    prev_stage = ring.stage;
+    ring.advance();
+  }
+  ptx::wgmma_wait_group<0>();
+  fence_accumulators(acc);
+  if (num_k_blocks > 0) release(prev_stage);
+  return true;
+}
+
 template <KernelKind kKernelKind>
 __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     grouped_gemm_pair_kernel(const __grid_constant__ CUtensorMap tmap_a,
@@ -162,14 +209,7 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     Tile tile;
     bool stored = false;
     while (scheduler.next(tile, stored)) {
-      const bool ok = multiply_tile_releasing<kKind>(ss, ring, args, 0, args.k / C::BLOCK_K, consumer_idx,
-                                                     acc, [&](uint32_t s) {
-                                                       if (threadIdx.x % 32 == 0) {
-                                                         ptx::mbarrier_arrive(&ss.empty[s]);
-                                                         ptx::mbarrier_arrive_cluster(&ss.empty[s], peer);
-                                                       }
-                                                     });
-      if (!ok) break;
+      if (!multiply_pair_tile<kKind>(ss, ring, args, consumer_idx, peer, acc)) break;
       if (stored) store_tile<kKind>(acc, args, tile, true, consumer_idx);
     }
   }
