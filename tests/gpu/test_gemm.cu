@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -637,6 +638,12 @@ struct PairsRequested {
 // and a masked edge tile: both forward kinds against the reference, then bitwise against the one-CTA kernel.
 TEST(GroupedGemmPairs, AgainstReferenceAndBitwiseSingleCta) {
   SKIP_WITHOUT_GPU();
+  // Until the experiment has run once on a GPU, a broken cluster handoff must not stall the whole suite: it
+  // runs where tools/gpu_pairs_experiment.sh asks for it.
+  if (std::getenv("POUNCE_TEST_GEMM_PAIRS") == nullptr) {
+    GTEST_SKIP()
+        << "CTA-pair GEMM experiment: set POUNCE_TEST_GEMM_PAIRS=1 (tools/gpu_pairs_experiment.sh does)";
+  }
   const Problem store{{128, 0, 384, 256, 0, 640, 128}, 1792, 448, 320, 3};
   const Problem gate_up{{384, 0, 128, 256}, 896, 320, 256, 2};
   const ActivationParams act{pounce::kernels::kActivationSwiGLU, 0.5f, 1.f};
