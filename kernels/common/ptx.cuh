@@ -58,28 +58,45 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
                : "memory");
 }
 
+// Whose arrivals a wait acquires: this CTA's threads and copies, or (CTA pairs) another CTA of the cluster's.
+enum class WaitScope { kCta, kCluster };
+
 // True when the phase with parity `parity` has completed (a fresh barrier counts parity 1 as completed).
+template <WaitScope kScope = WaitScope::kCta>
 __device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
   uint32_t done;
-  asm volatile(
-      "{\n"
-      "  .reg .pred p;\n"
-      "  mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-      "  selp.u32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(smem_addr(bar)), "r"(parity)
-      : "memory");
+  if constexpr (kScope == WaitScope::kCta) {
+    asm volatile(
+        "{\n"
+        "  .reg .pred p;\n"
+        "  mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+        "  selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } else {
+    asm volatile(
+        "{\n"
+        "  .reg .pred p;\n"
+        "  mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "  selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  }
   return done != 0;
 }
 
 // Bounded wait: spins until the phase completes or `timeout_ns` of wall time passed. Returns false on
 // timeout so the caller can record an error code and leave instead of hanging the process.
+template <WaitScope kScope = WaitScope::kCta>
 __device__ __forceinline__ bool mbarrier_wait_parity_bounded(uint64_t* bar, uint32_t parity,
                                                              uint64_t timeout_ns) {
-  if (mbarrier_try_wait_parity(bar, parity)) return true;
+  if (mbarrier_try_wait_parity<kScope>(bar, parity)) return true;
   const uint64_t start = global_timer_ns();
-  while (!mbarrier_try_wait_parity(bar, parity)) {
+  while (!mbarrier_try_wait_parity<kScope>(bar, parity)) {
     if (global_timer_ns() - start > timeout_ns) return false;
   }
   return true;
@@ -143,31 +160,6 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t 
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(cta));
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
-}
-
-// try_wait with cluster-scope acquire: the phase's arrivals came from other CTAs of the cluster.
-__device__ __forceinline__ bool mbarrier_try_wait_parity_cluster(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n"
-      "  .reg .pred p;\n"
-      "  mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-      "  selp.u32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(smem_addr(bar)), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-
-__device__ __forceinline__ bool mbarrier_wait_parity_cluster_bounded(uint64_t* bar, uint32_t parity,
-                                                                     uint64_t timeout_ns) {
-  if (mbarrier_try_wait_parity_cluster(bar, parity)) return true;
-  const uint64_t start = global_timer_ns();
-  while (!mbarrier_try_wait_parity_cluster(bar, parity)) {
-    if (global_timer_ns() - start > timeout_ns) return false;
-  }
-  return true;
 }
 
 // ---------------------------------------------------------------------------------------------------

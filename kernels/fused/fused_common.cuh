@@ -217,11 +217,7 @@ __device__ __forceinline__ void count_tile_stored(uint32_t* count, int consumer_
 template <typename TaskT>
 __device__ __forceinline__ void init_compute_barriers(kernels::gemm::SharedStorage& ss,
                                                       TaskSlots<TaskT>& slots) {
-#pragma unroll
-  for (int s = 0; s < GemmConfig::kNumStages; ++s) {
-    kernels::ptx::mbarrier_init(&ss.full[s], 1);
-    kernels::ptx::mbarrier_init(&ss.empty[s], 4 * GemmConfig::kNumConsumerWarpgroups);
-  }
+  kernels::gemm::init_stage_ring(ss, kernels::gemm::kConsumerWarps);
   for (int s = 0; s < kTaskSlots; ++s) {
     kernels::ptx::mbarrier_init(&slots.full[s], 1);
     kernels::ptx::mbarrier_init(&slots.empty[s], kTaskReaders);

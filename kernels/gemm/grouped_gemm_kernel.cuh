@@ -477,19 +477,24 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t tile_base, int kk) {
   }
 }
 
-// Multiplies this warpgroup's 64 rows of one tile over K blocks [kb_begin, kb_end) into `acc`. False when a
-// stage never filled (recorded in args.error_flag).
-template <GemmKind kKind>
+// Hands a stage back to this CTA's producer: one arrival per warp on its empty barrier.
+struct ReleaseToProducer {
+  SharedStorage& ss;
+  __device__ void operator()(uint32_t s) const {
+    if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&ss.empty[s]);
+  }
+};
+
+// Multiplies this warpgroup's 64 rows of one tile over K blocks [kb_begin, kb_end) into `acc`; every thread
+// calls `release(stage)` once a stage's wgmmas are done (CTA pairs also arrive on the peer's barrier). False
+// when a stage never filled (recorded in args.error_flag).
+template <GemmKind kKind, typename Release>
 __device__ __forceinline__ bool multiply_tile(SharedStorage& ss, RingPosition& ring,
                                               const GroupedGemmArgs& args, int32_t kb_begin, int32_t kb_end,
-                                              int consumer_idx, float (&acc)[128]) {
+                                              int consumer_idx, float (&acc)[128], Release release) {
   using C = GemmConfig;
-  const int lane = threadIdx.x % 32;
   // This warpgroup's 64 rows of A: rows 64c.. of a K-major tile, or box c of an M-major one; both 8 KB in.
   const uint32_t a_offset_bytes = consumer_idx * 64 * C::BLOCK_K * 2;
-  auto release = [&](uint32_t s) {
-    if (lane == 0) ptx::mbarrier_arrive(&ss.empty[s]);
-  };
   uint32_t prev_stage = 0;
   for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
     if (!ptx::mbarrier_wait_parity_bounded(&ss.full[ring.stage], ring.phase, C::kWaitTimeoutNs)) {
@@ -519,6 +524,12 @@ __device__ __forceinline__ bool multiply_tile(SharedStorage& ss, RingPosition& r
   fence_accumulators(acc);
   if (kb_end > kb_begin) release(prev_stage);
   return true;
+}
+template <GemmKind kKind>
+__device__ __forceinline__ bool multiply_tile(SharedStorage& ss, RingPosition& ring,
+                                              const GroupedGemmArgs& args, int32_t kb_begin, int32_t kb_end,
+                                              int consumer_idx, float (&acc)[128]) {
+  return multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, ReleaseToProducer{ss});
 }
 
 // This lane's first row of a tile (the second is 8 below): consumer warpgroup, warp and quad.
@@ -575,6 +586,17 @@ __device__ __forceinline__ void run_consumer(SharedStorage& ss, const GroupedGem
   }
 }
 
+// Thread 0: the stage ring's mbarriers. full[s]: the producer's one arrival + the stage bytes; empty[s]: one
+// arrival per consumer warp that reads the stage (`empty_arrivals`: this CTA's, or a CTA pair's).
+__device__ __forceinline__ void init_stage_ring(SharedStorage& ss, uint32_t empty_arrivals) {
+#pragma unroll
+  for (int s = 0; s < GemmConfig::kNumStages; ++s) {
+    ptx::mbarrier_init(&ss.full[s], 1);
+    ptx::mbarrier_init(&ss.empty[s], empty_arrivals);
+  }
+}
+inline constexpr uint32_t kConsumerWarps = 4 * GemmConfig::kNumConsumerWarpgroups;
+
 // ---------------------------------------------------------------------------------------------------
 // Kernel
 // ---------------------------------------------------------------------------------------------------
@@ -597,11 +619,7 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     ptx::prefetch_tensor_map(&tmap_a);
     ptx::prefetch_tensor_map(&tmap_b0);
     ptx::prefetch_tensor_map(&tmap_b1);
-#pragma unroll
-    for (int s = 0; s < C::kNumStages; ++s) {
-      ptx::mbarrier_init(&ss.full[s], 1);
-      ptx::mbarrier_init(&ss.empty[s], 4 * C::kNumConsumerWarpgroups);
-    }
+    init_stage_ring(ss, kConsumerWarps);
     ptx::fence_mbarrier_init();
     if (kKind.grouping == Grouping::kRows && blockIdx.x == 0 &&
         args.group_row_offset[args.num_groups] > args.max_m_blocks * C::BLOCK_M) {

@@ -92,8 +92,8 @@ __device__ __forceinline__ bool produce_pair_tile(SharedStorage& ss, RingPositio
   const int32_t row0 = tile.m_block * C::BLOCK_M;
   const int32_t col0 = tile.n_block * kOutBlockN<kKind.epilogue>;
   for (int32_t kb = 0; kb < args.k / C::BLOCK_K; ++kb) {
-    if (!ptx::mbarrier_wait_parity_cluster_bounded(&ss.empty[ring.stage], ring.phase ^ 1,
-                                                   C::kWaitTimeoutNs)) {
+    if (!ptx::mbarrier_wait_parity_bounded<ptx::WaitScope::kCluster>(&ss.empty[ring.stage], ring.phase ^ 1,
+                                                                     C::kWaitTimeoutNs)) {
       record_error(args.error_flag, WaitError::kEmptyStage);
       return false;
     }
@@ -113,52 +113,17 @@ __device__ __forceinline__ bool produce_pair_tile(SharedStorage& ss, RingPositio
   return true;
 }
 
-// multiply_tile of grouped_gemm_kernel.cuh over a whole pair tile, each stage handed back to BOTH CTAs'
-// producers (either one's multicast overwrites it in both). Kept apart from multiply_tile so that the
-// measured one-CTA mainloop is untouched while this is an experiment.
-template <GemmKind kKind>
-__device__ __forceinline__ bool multiply_pair_tile(SharedStorage& ss, RingPosition& ring,
-                                                   const GroupedGemmArgs& args, int consumer_idx,
-                                                   uint32_t peer, float (&acc)[128]) {
-  using C = GemmConfig;
-  const uint32_t a_offset_bytes = consumer_idx * 64 * C::BLOCK_K * 2;
-  auto release = [&](uint32_t s) {
+// Hands a stage back to BOTH CTAs' producers: either one's multicast overwrites it in both.
+struct ReleaseToPair {
+  SharedStorage& ss;
+  uint32_t peer;
+  __device__ void operator()(uint32_t s) const {
     if (threadIdx.x % 32 == 0) {
       ptx::mbarrier_arrive(&ss.empty[s]);
       ptx::mbarrier_arrive_cluster(&ss.empty[s], peer);
     }
-  };
-  const int32_t num_k_blocks = args.k / C::BLOCK_K;
-  uint32_t prev_stage = 0;
-  for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
-    if (!ptx::mbarrier_wait_parity_bounded(&ss.full[ring.stage], ring.phase, C::kWaitTimeoutNs)) {
-      ptx::wgmma_wait_group<0>();
-      record_error(args.error_flag, WaitError::kFullStage);
-      return false;
-    }
-    const uint32_t a_base = ptx::smem_addr(ss.stages[ring.stage].a) + a_offset_bytes;
-    const uint32_t b_base = ptx::smem_addr(ss.stages[ring.stage].b);
-    fence_accumulators(acc);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < C::BLOCK_K / 16; ++kk) {
-      ptx::wgmma_m64n256k16_bf16<false, false>(acc, smem_desc<Major::kK>(a_base, kk),
-                                               smem_desc<Major::kK>(b_base, kk), kb > 0 || kk > 0);
-    }
-    ptx::wgmma_commit_group();
-    fence_accumulators(acc);
-    if (kb > 0) {
-      ptx::wgmma_wait_group<1>();
-      release(prev_stage);
-    }
-    prev_stage = ring.stage;
-    ring.advance();
   }
-  ptx::wgmma_wait_group<0>();
-  fence_accumulators(acc);
-  if (num_k_blocks > 0) release(prev_stage);
-  return true;
-}
+};
 
 template <KernelKind kKernelKind>
 __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
@@ -179,11 +144,7 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     ptx::prefetch_tensor_map(&tmap_a);
     ptx::prefetch_tensor_map(&tmap_b0);
     ptx::prefetch_tensor_map(&tmap_b1);
-#pragma unroll
-    for (int s = 0; s < C::kNumStages; ++s) {
-      ptx::mbarrier_init(&ss.full[s], 1);
-      ptx::mbarrier_init(&ss.empty[s], 2 * 4 * C::kNumConsumerWarpgroups);  // both CTAs' consumer warps
-    }
+    init_stage_ring(ss, 2 * kConsumerWarps);  // both CTAs' consumer warps
     ptx::fence_mbarrier_init();
   }
   ptx::cluster_sync();  // the peer's barriers exist before anyone multicasts into them or arrives on them
@@ -209,7 +170,9 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     Tile tile;
     bool stored = false;
     while (scheduler.next(tile, stored)) {
-      if (!multiply_pair_tile<kKind>(ss, ring, args, consumer_idx, peer, acc)) break;
+      if (!multiply_tile<kKind>(ss, ring, args, 0, args.k / C::BLOCK_K, consumer_idx, acc,
+                                ReleaseToPair{ss, peer}))
+        break;
       if (stored) store_tile<kKind>(acc, args, tile, true, consumer_idx);
     }
   }
