@@ -19,9 +19,12 @@ void validate(const Config& config, const Shape& shape) {
   POUNCE_CHECK(config.macrobatch_size >= 0 && config.macrobatch_size % kBlockM == 0,
                "config.macrobatch_size = ", config.macrobatch_size,
                " must be 0 (worst case) or a positive multiple of ", kBlockM);
-  POUNCE_CHECK(config.macrobatch_size == 0 || config.macrobatch_size >= shape.num_local_experts() * kBlockM,
-               "config.macrobatch_size = ", config.macrobatch_size, " is below num_local_experts * ", kBlockM,
-               " = ", shape.num_local_experts() * kBlockM, "; raise it or pass 0");
+  const int64_t min_ring = (shape.num_ranks * shape.max_tokens + kBlockM - 1) / kBlockM * kBlockM;
+  POUNCE_CHECK(config.macrobatch_size == 0 || config.macrobatch_size >= min_ring,
+               "config.macrobatch_size = ", config.macrobatch_size,
+               " is below the rows one expert can receive (num_ranks * max_tokens = ",
+               shape.num_ranks * shape.max_tokens, ", rounded up to ", kBlockM, ": ", min_ring,
+               "); raise it to at least ", min_ring, " or pass 0 (the worst case)");
   POUNCE_CHECK(config.deterministic, "config.deterministic = false is not offered: every Pounce path is ",
                "deterministic at full speed; leave it true");
   const Activation& act = config.activation;

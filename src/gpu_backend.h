@@ -52,6 +52,8 @@ struct ForwardContextView {
   const void* y_slots = nullptr;   // bf16 [max_tokens][k][H], this rank's tokens
   const void* shared_y = nullptr;  // bf16 [round_up(max_tokens, 128)][H]; null when Is = 0
   int64_t rows_capacity = 0;
+  int64_t ring_rows = 0;  // rows of x_rows, act_rows, y_rows: rows_capacity, or the macrobatch ring's (the
+                          // last macrobatch's rows, ring-relative)
 };
 ForwardContextView forward_context(const GpuWorkspace& workspace);
 // Switches the forward path of an existing workspace (tests compare fused and staged on one workspace).

@@ -14,10 +14,15 @@ enum class Backend { kAuto, kCpu, kGpu };
 enum class KernelPath { kFused, kStaged };
 
 struct Config {
-  int forward_comm_sms = 0;     // SMs that move tokens in the forward kernel; 0 = heuristic
-  int backward_comm_sms = 0;    // same for the backward kernel
-  int64_t minibatch_size = 0;   // rows per dispatch->GEMM handoff counter; 0 = heuristic
-  int64_t macrobatch_size = 0;  // rows in the routed activation ring; 0 = worst case (no looping)
+  int forward_comm_sms = 0;    // SMs that move tokens in the forward kernel; 0 = heuristic
+  int backward_comm_sms = 0;   // same for the backward kernel
+  int64_t minibatch_size = 0;  // rows per dispatch->GEMM handoff counter; 0 = heuristic
+  // Rows of the routed activation ring; 0 = the dropless worst case (R * max_tokens * min(k, El) rows,
+  // padded). Smaller saves memory: the routed experts then run in macrobatches of whole experts and the
+  // backward replays all but the last (docs/design.md, "Macrobatch ring"). At least round_up(R * max_tokens,
+  // 128), the rows one expert can receive when every token names distinct experts; a token naming one expert
+  // in several slots may need more (the call then fails with a clear error instead of dropping rows).
+  int64_t macrobatch_size = 0;
   Activation activation;
   Precision precision = Precision::kBF16;
   bool deterministic = true;  // false is rejected for now: every path is deterministic

@@ -156,10 +156,16 @@ struct BackwardScheduler {
     task = BackwardTask{BackwardTaskKind::kEnd, 0, 0, 0, 0, WeightGradKind::kSharedDown};
     // After a failure anywhere, no new tile (tiles without inputs to wait on would never notice).
     if (aborted(p.ws)) return;
-    const int32_t ticket = static_cast<int32_t>(atomicAdd(counters_of(p.ws).ticket(), 1u));
-    if (!cursor.at(ticket, task)) {
-      task.kind = BackwardTaskKind::kEnd;
-      return;
+    // A macrobatch's launch skips the weight-gradient tiles of experts it does not hold (group_active).
+    for (;;) {
+      const int32_t ticket = static_cast<int32_t>(atomicAdd(counters_of(p.ws).ticket(), 1u));
+      if (!cursor.at(ticket, task)) {
+        task.kind = BackwardTaskKind::kEnd;
+        return;
+      }
+      if (task.kind != BackwardTaskKind::kWeightGrad) break;
+      const int32_t* active = p.weight_grad[static_cast<int>(task.weight)].args.group_active;
+      if (active == nullptr || active[task.group] != 0) break;
     }
     bool ready = true;
     switch (task.kind) {

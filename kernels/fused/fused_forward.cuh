@@ -177,6 +177,10 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
 }
 
 // Launched cooperatively (grid_steps.cuh needs every CTA resident), one CTA per SM.
+// kWholePass: the whole pass as described above. Otherwise one macrobatch of a workspace with a ring
+// (params.ws = WorkspacePointers::macrobatch(b)): its tiles and transfers only; the prologue, the macrobatch
+// plan, the combine barrier and the weighted sum are kernels around the launches (src/gpu/fused_forward.cu).
+template <bool kWholePass>
 __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     fused_forward_kernel(const __grid_constant__ FusedForwardMaps maps,
                          const __grid_constant__ FusedForwardParams params) {
@@ -191,12 +195,16 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       "the scan keeps one int32 per thread of whole warps");
   auto* scan_scratch = reinterpret_cast<routing::ScanScratch*>(
       reinterpret_cast<char*>(ss.stages) + sizeof(ss.stages) - sizeof(routing::ScanScratch));
-  if (!run_forward_prologue(ws, params.in, reinterpret_cast<int32_t*>(ss.stages), *scan_scratch, slots.go))
-    return;
+  if constexpr (kWholePass) {
+    if (!run_forward_prologue(ws, params.in, reinterpret_cast<int32_t*>(ss.stages), *scan_scratch, slots.go))
+      return;
+  }
   const int32_t role = start_cta(ws, params.comm_ctas, ss, slots);
   const int warpgroup = threadIdx.x / 128;
   if (role < params.comm_ctas) {
-    if (!wait_schedule_placed(ws, slots.go)) return;
+    if constexpr (kWholePass) {
+      if (!wait_schedule_placed(ws, slots.go)) return;
+    }
     CommunicationPlan plan;
     plan.shape = task_shape_of(params);
     plan.comm_ctas = params.comm_ctas;
@@ -206,8 +214,10 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     run_communication(
         ws, slots.go, plan, role, [&](int64_t row) { dispatch::pull_row<8>(ws, row); },
         [&](int64_t row) { combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row); });
-    __syncthreads();  // every warp's pushes are issued before warpgroups 1 and 2 arrive for the CTA
-    if (warpgroup > 0) finish_forward(ws, warpgroup);
+    if constexpr (kWholePass) {
+      __syncthreads();  // every warp's pushes are issued before warpgroups 1 and 2 arrive for the CTA
+      if (warpgroup > 0) finish_forward(ws, warpgroup);
+    }
     return;
   }
   if (threadIdx.x == 0) {
@@ -222,7 +232,9 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       [&](const Task& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done) {
         return consume_task(ss, ring, params, task, warpgroup - 1, acc, done);
       },
-      [&] { finish_forward(ws, warpgroup); });
+      [&] {
+        if constexpr (kWholePass) finish_forward(ws, warpgroup);
+      });
 }
 
 }  // namespace pounce::fused

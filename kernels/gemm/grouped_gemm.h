@@ -27,6 +27,9 @@ struct GroupedRows {
   const int32_t* group_row_offset = nullptr;
   int num_groups = 0;
   int max_ctas = 0;  // persistent grid cap (leave SMs to concurrent communication kernels); 0 = every SM
+  // Weight gradients only: device [num_groups], 0 where the group's output is left untouched (a macrobatch
+  // writes only the experts it holds); null = every group.
+  const int32_t* group_active = nullptr;
 };
 
 struct ActivationParams {

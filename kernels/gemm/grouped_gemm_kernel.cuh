@@ -123,6 +123,7 @@ struct GroupedGemmArgs {
   const __nv_bfloat16* in0;  // g (activation backward), row stride n
   const __nv_bfloat16* in1;  // u (activation backward)
   void* weight_grad;         // [num_groups][m][n] fp32 or bf16
+  const int32_t* group_active;  // kReduction: [num_groups], 0 = leave that group's output alone; null = all
   WeightGradMode weight_grad_mode;
   ActivationParams activation;
   int32_t* error_flag;  // first WaitError recorded by any CTA
@@ -177,7 +178,7 @@ struct TileWalk {
 
   static __device__ Scheduler make_scheduler(const GroupedGemmArgs& a) {
     if constexpr (kReduction) {
-      return Scheduler(a.num_groups, a.m, a.n);
+      return Scheduler(a.num_groups, a.m, a.n, a.group_active);
     } else {
       return Scheduler(a.group_row_offset, a.num_groups, a.max_m_blocks,
                        (a.n + kOutBlockN<kKind.epilogue> - 1) / kOutBlockN<kKind.epilogue>);

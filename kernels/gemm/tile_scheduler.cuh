@@ -78,20 +78,25 @@ class TileScheduler {
 template <int BLOCK_M, int BLOCK_N>
 class ReductionTileScheduler {
  public:
-  __device__ ReductionTileScheduler(int num_groups, int32_t m, int32_t n)
+  // `active` (device [num_groups], may be null): groups whose entry is 0 are skipped, their output untouched.
+  __device__ ReductionTileScheduler(int num_groups, int32_t m, int32_t n, const int32_t* active = nullptr)
       : num_m_blocks_((m + BLOCK_M - 1) / BLOCK_M),
         tiles_per_group_(num_m_blocks_ * ((n + BLOCK_N - 1) / BLOCK_N)),
         num_tiles_(tiles_per_group_ * num_groups),
-        tile_idx_(static_cast<int32_t>(blockIdx.x)) {}
+        tile_idx_(static_cast<int32_t>(blockIdx.x)),
+        active_(active) {}
 
   __device__ bool next(Tile& tile) {
-    if (tile_idx_ >= num_tiles_) return false;
-    tile.group = tile_idx_ / tiles_per_group_;
-    const int32_t within = tile_idx_ - tile.group * tiles_per_group_;
-    tile.m_block = within % num_m_blocks_;
-    tile.n_block = within / num_m_blocks_;
-    tile_idx_ += static_cast<int32_t>(gridDim.x);
-    return true;
+    while (tile_idx_ < num_tiles_) {
+      tile.group = tile_idx_ / tiles_per_group_;
+      const int32_t within = tile_idx_ - tile.group * tiles_per_group_;
+      tile.m_block = within % num_m_blocks_;
+      tile.n_block = within / num_m_blocks_;
+      tile_idx_ += static_cast<int32_t>(gridDim.x);
+      if (active_ != nullptr && active_[tile.group] == 0) continue;
+      return true;
+    }
+    return false;
   }
 
  private:
@@ -99,6 +104,7 @@ class ReductionTileScheduler {
   int32_t tiles_per_group_;
   int32_t num_tiles_;
   int32_t tile_idx_;
+  const int32_t* active_;
 };
 
 }  // namespace pounce::kernels::gemm

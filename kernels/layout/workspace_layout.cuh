@@ -50,9 +50,10 @@ struct ScheduleEntry {
 // `code` is written last, after a system fence, so the host never reads a half-written record.
 enum class DeviceErrorCode : int32_t {
   kNone = 0,
-  kWaitTimeout = 1,       // a bounded spin-wait expired: which wait, rank, peer, expected, observed
-  kExpertOutOfRange = 2,  // topk_idx value out of range: source rank, token, slot, value
-  kScheduleOverflow = 3,  // more rows than rows_capacity (duplicate expert ids within a token)
+  kWaitTimeout = 1,         // a bounded spin-wait expired: which wait, rank, peer, expected, observed
+  kExpertOutOfRange = 2,    // topk_idx value out of range: source rank, token, slot, value
+  kScheduleOverflow = 3,    // more rows than rows_capacity (duplicate expert ids within a token)
+  kMacrobatchOverflow = 4,  // an expert's rows exceed the ring (duplicate expert ids within a token)
 };
 enum class WaitId : int32_t {
   kNone = 0,
@@ -124,6 +125,13 @@ struct WorkspaceLayout {
   int64_t token_capacity = 0;  // round_up(max_tokens, BLOCK_M): shared-expert rows, T padded
   int64_t routing_stride = 0;  // round_up(max_tokens * k, 4) int32 entries per source rank
   int64_t max_chunks = 0;      // ceil(max_tokens * k / kScheduleChunk), at least 1
+  // The routed activation ring (docs/design.md, "Macrobatch ring"): rows of the eight routed row buffers.
+  // rows_capacity without a ring; Config::macrobatch_size when below it (at least round_up(R * max_tokens,
+  // 128), one expert's largest segment with distinct ids per token: src/config.cpp), and the routed rows then
+  // run in macrobatches of whole experts, at most max_macrobatches of them (greedy packing: two neighbours
+  // hold more than the ring, so B <= 2 * floor(rows / ring) + 1).
+  int64_t ring_rows = 0;
+  int64_t max_macrobatches = 1;
 
   // ---- symmetric allocation (same offsets on every rank) ----
   int64_t sym_barrier_inbox = 0;   // uint32 [R]: epoch each peer last arrived with
@@ -145,31 +153,38 @@ struct WorkspaceLayout {
   int64_t loc_group_row_offset = 0;   // int32 [El + 1]: padded segment offsets (multiples of 128)
   int64_t loc_shared_row_offset = 0;  // int32 [2]: {0, round_up(T, 128)} for the shared expert
   int64_t loc_schedule = 0;           // ScheduleEntry [rows_capacity]
-  int64_t loc_x_rows = 0;             // bf16 [rows_capacity][H]: dispatched token rows, padding = 0
-  int64_t loc_g_rows = 0;             // bf16 [rows_capacity][I]
-  int64_t loc_u_rows = 0;             // bf16 [rows_capacity][I]
-  int64_t loc_act_rows = 0;           // bf16 [rows_capacity][I]
-  int64_t loc_y_rows = 0;             // bf16 [rows_capacity][H]: routed expert outputs
-  int64_t loc_shared_g = 0;           // bf16 [token_capacity][Is]   (0 bytes when Is = 0)
-  int64_t loc_shared_u = 0;           // bf16 [token_capacity][Is]
-  int64_t loc_shared_act = 0;         // bf16 [token_capacity][Is]
-  int64_t loc_shared_y = 0;           // bf16 [token_capacity][H]    (0 bytes when Is = 0)
+  // ring only (0 bytes without): the macrobatch plan, built on the device after the schedule
+  // (kernels/sched/macrobatch_plan.cuh); macrobatch b's kernels see the workspace through macrobatch(b)
+  int64_t loc_macrobatch_plan = 0;      // int32 [1 + max_macrobatches + 1]: count B, bounds[0 .. maxB]
+  int64_t loc_macrobatch_offsets = 0;   // int32 [maxB][3][El + 1]: MacrobatchRows
+  int64_t loc_macrobatch_owned = 0;     // int32 [maxB][El]: 1 where b writes the expert's weight gradient
+  int64_t loc_macrobatch_schedule = 0;  // ScheduleEntry [maxB][ring_rows]: b's schedule rows, ring-relative
+  // the routed row buffers: ring_rows rows each (rows_capacity without a ring)
+  int64_t loc_x_rows = 0;      // bf16 [ring_rows][H]: dispatched token rows, padding = 0
+  int64_t loc_g_rows = 0;      // bf16 [ring_rows][I]
+  int64_t loc_u_rows = 0;      // bf16 [ring_rows][I]
+  int64_t loc_act_rows = 0;    // bf16 [ring_rows][I]
+  int64_t loc_y_rows = 0;      // bf16 [ring_rows][H]: routed expert outputs
+  int64_t loc_shared_g = 0;    // bf16 [token_capacity][Is]   (0 bytes when Is = 0)
+  int64_t loc_shared_u = 0;    // bf16 [token_capacity][Is]
+  int64_t loc_shared_act = 0;  // bf16 [token_capacity][Is]
+  int64_t loc_shared_y = 0;    // bf16 [token_capacity][H]    (0 bytes when Is = 0)
   // fused kernels only: uint32 [kFusedHeaderWords + 3 * max_m_blocks + token_blocks], max_m_blocks =
   // rows_capacity / 128, token_blocks = token_capacity / 128: rows_ready and rows_done per minibatch (at
   // most one per m-block), then first_done (gate/up; d_a) per shared and per routed m-block
   int64_t loc_fused_counters = 0;
   int64_t fused_counter_words = 0;
   // backward only (nothing here is forward context)
-  int64_t loc_dy_rows = 0;      // bf16 [rows_capacity][H]: w * d_out pulled per row, padding = 0
-  int64_t loc_d_gu_rows = 0;    // bf16 [rows_capacity][2I]: d_g in columns [0, I), d_u in [I, 2I)
-  int64_t loc_dx_rows = 0;      // bf16 [rows_capacity][H]: d_x of each row before the push
+  int64_t loc_dy_rows = 0;      // bf16 [ring_rows][H]: w * d_out pulled per row, padding = 0
+  int64_t loc_d_gu_rows = 0;    // bf16 [ring_rows][2I]: d_g in columns [0, I), d_u in [I, 2I)
+  int64_t loc_dx_rows = 0;      // bf16 [ring_rows][H]: d_x of each row before the push
   int64_t loc_shared_d_gu = 0;  // bf16 [token_capacity][2Is]
   int64_t loc_shared_dx = 0;    // bf16 [token_capacity][H]    (0 bytes when Is = 0)
   int64_t local_bytes = 0;
 
   static WorkspaceLayout make(int64_t max_tokens, int64_t hidden, int64_t intermediate,
                               int64_t shared_intermediate, int64_t num_experts, int64_t num_topk,
-                              int64_t num_ranks) {
+                              int64_t num_ranks, int64_t macrobatch_size = 0) {
     WorkspaceLayout l;
     l.max_tokens = max_tokens;
     l.hidden = hidden;
@@ -187,6 +202,10 @@ struct WorkspaceLayout {
     l.routing_stride = round_up(max_tokens * k, 4);
     l.max_chunks =
         ceil_div(max_tokens * k, kScheduleChunk) > 0 ? ceil_div(max_tokens * k, kScheduleChunk) : 1;
+    const bool ring = macrobatch_size > 0 && macrobatch_size < l.rows_capacity;
+    l.ring_rows = ring ? macrobatch_size : l.rows_capacity;
+    l.max_macrobatches = ring ? 2 * (l.rows_capacity / l.ring_rows) + 1 : 1;
+    const int64_t maxB = ring ? l.max_macrobatches : 0, M = l.ring_rows;
 
     int64_t at = 0;
     auto carve = [&at](int64_t bytes) {
@@ -213,25 +232,37 @@ struct WorkspaceLayout {
     l.loc_group_row_offset = carve((El + 1) * 4);
     l.loc_shared_row_offset = carve(2 * 4);
     l.loc_schedule = carve(l.rows_capacity * static_cast<int64_t>(sizeof(ScheduleEntry)));
-    l.loc_x_rows = carve(l.rows_capacity * H * kBf16Bytes);
-    l.loc_g_rows = carve(l.rows_capacity * I * kBf16Bytes);
-    l.loc_u_rows = carve(l.rows_capacity * I * kBf16Bytes);
-    l.loc_act_rows = carve(l.rows_capacity * I * kBf16Bytes);
-    l.loc_y_rows = carve(l.rows_capacity * H * kBf16Bytes);
+    l.loc_macrobatch_plan = carve(ring ? (maxB + 2) * 4 : 0);
+    l.loc_macrobatch_offsets = carve(maxB * 3 * (El + 1) * 4);
+    l.loc_macrobatch_owned = carve(maxB * El * 4);
+    l.loc_macrobatch_schedule = carve(maxB * M * static_cast<int64_t>(sizeof(ScheduleEntry)));
+    l.loc_x_rows = carve(M * H * kBf16Bytes);
+    l.loc_g_rows = carve(M * I * kBf16Bytes);
+    l.loc_u_rows = carve(M * I * kBf16Bytes);
+    l.loc_act_rows = carve(M * I * kBf16Bytes);
+    l.loc_y_rows = carve(M * H * kBf16Bytes);
     l.loc_shared_g = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_u = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_act = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_y = carve(Is > 0 ? l.token_capacity * H * kBf16Bytes : 0);
     l.fused_counter_words = kFusedHeaderWords + 3 * (l.rows_capacity / kBlockM) + l.token_capacity / kBlockM;
     l.loc_fused_counters = carve(l.fused_counter_words * 4);
-    l.loc_dy_rows = carve(l.rows_capacity * H * kBf16Bytes);
-    l.loc_d_gu_rows = carve(l.rows_capacity * 2 * I * kBf16Bytes);
-    l.loc_dx_rows = carve(l.rows_capacity * H * kBf16Bytes);
+    l.loc_dy_rows = carve(M * H * kBf16Bytes);
+    l.loc_d_gu_rows = carve(M * 2 * I * kBf16Bytes);
+    l.loc_dx_rows = carve(M * H * kBf16Bytes);
     l.loc_shared_d_gu = carve(l.token_capacity * 2 * Is * kBf16Bytes);
     l.loc_shared_dx = carve(Is > 0 ? l.token_capacity * H * kBf16Bytes : 0);
     l.local_bytes = at;
     return l;
   }
+};
+
+// Which rows of macrobatch b a view shows (WorkspacePointers::macrobatch; the plan's offset sets, in order).
+enum class MacrobatchRows : int32_t {
+  kForward = 0,  // b's rows (none past the plan's count)
+  kReplay = 1,   // b's rows where the backward replays them: every macrobatch but the resident last
+  kRestore = 2,  // the last macrobatch's rows when there are several (the backward replays it at its end, so
+                 // the forward context is what the forward left and backward may run again)
 };
 
 // The carved pointers of one rank, passed to kernels by value. `peer_base[p]` (device array) is the
@@ -245,7 +276,9 @@ struct WorkspacePointers {
   int32_t num_topk;
   int64_t hidden, intermediate, shared_intermediate, max_tokens;
   int64_t rows_capacity, token_capacity, routing_stride, max_chunks;
-  uint64_t timeout_ns;  // bound of every spin-wait
+  int64_t ring_rows;         // == rows_capacity without a ring
+  int32_t max_macrobatches;  // 1 without a ring
+  uint64_t timeout_ns;       // bound of every spin-wait
 
   char* symmetric;            // this rank's symmetric base
   const uint64_t* peer_base;  // [R]
@@ -260,6 +293,10 @@ struct WorkspacePointers {
   int32_t* group_row_offset;
   int32_t* shared_row_offset;
   ScheduleEntry* schedule;
+  int32_t* macrobatch_plan;  // ring only (null without), see WorkspaceLayout
+  int32_t* macrobatch_offsets;
+  int32_t* macrobatch_owned;
+  ScheduleEntry* macrobatch_schedule;
   void* x_rows;
   void* g_rows;
   void* u_rows;
@@ -284,6 +321,26 @@ struct WorkspacePointers {
   template <typename T>
   POUNCE_HOST_DEVICE T* local_sym(int64_t offset) const {
     return reinterpret_cast<T*>(symmetric + offset);
+  }
+
+  POUNCE_HOST_DEVICE bool has_ring() const { return macrobatch_plan != nullptr; }
+  // The workspace as macrobatch b's kernels see it: every routed kernel runs unchanged on it, because the
+  // expert offsets and the schedule are the macrobatch's own, ring-relative (and empty past the last
+  // macrobatch, so kernels launched for every possible b do nothing there; the host never reads B).
+  // `rows` picks the backward's replay views (MacrobatchRows). Without a ring, the workspace itself.
+  POUNCE_HOST_DEVICE WorkspacePointers macrobatch(int32_t b,
+                                                  MacrobatchRows rows = MacrobatchRows::kForward) const {
+    if (!has_ring()) return *this;
+    WorkspacePointers view = *this;
+    view.rows_capacity = ring_rows;
+    view.group_row_offset =
+        macrobatch_offsets + (3 * b + static_cast<int32_t>(rows)) * (num_local_experts + 1);
+    view.schedule = macrobatch_schedule + b * ring_rows;
+    return view;
+  }
+  // Device [El]: 1 where macrobatch b writes expert e's weight gradient (null without a ring: every expert).
+  POUNCE_HOST_DEVICE const int32_t* owned_experts(int32_t b) const {
+    return has_ring() ? macrobatch_owned + b * num_local_experts : nullptr;
   }
 };
 

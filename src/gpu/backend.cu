@@ -15,6 +15,7 @@
 #include <sstream>
 #include <thread>
 
+#include "kernels/sched/macrobatch_plan.cuh"     // kMaxMacrobatches
 #include "kernels/gemm/grouped_gemm_kernel.cuh"  // WaitError: the fused kernels' stage-ring failures
 #include "src/gpu/gpu_state.h"
 
@@ -259,6 +260,13 @@ layout::WorkspacePointers GpuWorkspace::pointers() const {
   p.group_row_offset = static_cast<int32_t*>(at(l.loc_group_row_offset));
   p.shared_row_offset = static_cast<int32_t*>(at(l.loc_shared_row_offset));
   p.schedule = static_cast<layout::ScheduleEntry*>(at(l.loc_schedule));
+  p.ring_rows = l.ring_rows;
+  p.max_macrobatches = static_cast<int32_t>(l.max_macrobatches);
+  const bool ring = l.ring_rows < l.rows_capacity;
+  p.macrobatch_plan = ring ? static_cast<int32_t*>(at(l.loc_macrobatch_plan)) : nullptr;
+  p.macrobatch_offsets = ring ? static_cast<int32_t*>(at(l.loc_macrobatch_offsets)) : nullptr;
+  p.macrobatch_owned = ring ? static_cast<int32_t*>(at(l.loc_macrobatch_owned)) : nullptr;
+  p.macrobatch_schedule = ring ? static_cast<layout::ScheduleEntry*>(at(l.loc_macrobatch_schedule)) : nullptr;
   p.x_rows = at(l.loc_x_rows);
   p.g_rows = at(l.loc_g_rows);
   p.u_rows = at(l.loc_u_rows);
@@ -320,11 +328,10 @@ void validate_workspace_shape(const GpuGroup& group, int rank, const Shape& shap
                "the worst-case receive schedule (", l.rows_capacity,
                " rows for max_tokens = ", shape.max_tokens,
                ") does not fit 32-bit row indices; lower max_tokens");
-  POUNCE_CHECK(config.macrobatch_size == 0 || config.macrobatch_size >= l.rows_capacity,
-               "config.macrobatch_size = ", config.macrobatch_size,
-               " is below the worst-case routed rows of this shape (", l.rows_capacity,
-               "): the GPU path does not loop over macrobatches yet; pass 0 (worst case) or at least ",
-               l.rows_capacity);
+  POUNCE_CHECK(l.max_macrobatches <= sched::kMaxMacrobatches,
+               "config.macrobatch_size = ", config.macrobatch_size, " cuts the worst case of ",
+               l.rows_capacity, " rows into up to ", l.max_macrobatches, " macrobatches, more than ",
+               sched::kMaxMacrobatches, "; raise macrobatch_size");
 }
 
 }  // namespace
@@ -334,7 +341,7 @@ GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup> group, int rank, cons
   POUNCE_CHECK(group != nullptr, "create_workspace needs a GPU group");
   const layout::WorkspaceLayout l = layout::WorkspaceLayout::make(
       shape.max_tokens, shape.hidden, shape.intermediate, shape.shared_intermediate, shape.num_experts,
-      shape.num_topk, shape.num_ranks);
+      shape.num_topk, shape.num_ranks, config.macrobatch_size);
   validate_workspace_shape(*group, rank, shape, config, l);
   DeviceGuard guard(group->device);
 
@@ -504,6 +511,7 @@ ForwardContextView forward_context(const GpuWorkspace& workspace) {
   view.y_slots = p.local_sym<const void>(p.sym_y_slots);
   view.shared_y = workspace.shape.shared_intermediate > 0 ? p.shared_y : nullptr;
   view.rows_capacity = p.rows_capacity;
+  view.ring_rows = p.ring_rows;
   return view;
 }
 

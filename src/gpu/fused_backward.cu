@@ -1,8 +1,10 @@
 // The fused backward (DESIGN.md §2, issue #5): the shared prologue (stage d_out and the router weights,
 // router gradient, inputs barrier), then ONE persistent kernel for the reverse-combine pull, the shared
 // expert's backward, d_a + activation backward, d_x, the reverse-dispatch push and every weight gradient
-// (kernels/fused/fused_backward.cuh), then the combine barrier and the d_x sum. Stream-ordered, nothing
-// allocated, no routing count read on the host: capturable like the staged chain.
+// (kernels/fused/fused_backward.cuh), then the combine barrier and the d_x sum. With a macrobatch ring, one
+// launch per possible macrobatch, last first, each after the forward replay of its rows
+// (src/gpu/staged_backward.cu). Stream-ordered, nothing allocated, no routing count read on the host:
+// capturable like the staged chain.
 //
 // The communication CTAs and the combine (push or scatter) follow the fused forward's heuristic
 // (src/gpu/fused_forward.cu): the d_x GEMM (N = H, K = 2I) stands where the down GEMM (N = H, K = I) stands
@@ -13,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "kernels/fused/fused_backward.cuh"
 #include "src/gpu/gpu_state.h"
@@ -83,41 +86,57 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
   // leave the peers at the combine barrier.
   int32_t* gemm_error = reinterpret_cast<int32_t*>(p.fused_counters + layout::kFusedGemmError);
   const kernels::ActivationParams activation = activation_params(workspace.config.activation);
-  const MlpOperands routed =
-      mlp_operands(routed_mlp_backward(p, args, 0), H, activation, args.accumulate_weight_grads, gemm_error);
   // Without a shared expert the task list has no shared tiles; null operands would fault, not write the
   // routed gradients, should that ever change.
   const MlpOperands shared = Is > 0 ? mlp_operands(shared_mlp_backward(p, args, 0), H, activation,
                                                    args.accumulate_weight_grads, gemm_error)
                                     : MlpOperands{};
+  // One launch per possible macrobatch, last first (one without a ring); macrobatch b's routed operands.
+  std::vector<fused::FusedBackwardParams> launches;
+  for (int32_t b = p.max_macrobatches - 1; b >= 0; --b) {
+    const layout::WorkspacePointers mb = p.macrobatch(b);
+    MlpBackward rows = routed_mlp_backward(mb, args, 0);
+    rows.rows.group_active = p.owned_experts(b);  // weight gradients of the experts b holds (all: no ring)
+    const MlpOperands routed = mlp_operands(rows, H, activation, args.accumulate_weight_grads, gemm_error);
 
-  fused::FusedBackwardParams params{};
-  params.ws = p;
-  params.shared_act_grad = shared.act_grad;
-  params.shared_data_grad = shared.data_grad;
-  params.act_grad = routed.act_grad;
-  params.data_grad = routed.data_grad;
-  using sched::WeightGradKind;
-  auto weight = [&](WeightGradKind kind) -> kernels::GemmOperands& {
-    return params.weight_grad[static_cast<int>(kind)];
-  };
-  weight(WeightGradKind::kSharedDown) = shared.down;
-  weight(WeightGradKind::kSharedGate) = shared.gate;
-  weight(WeightGradKind::kSharedUp) = shared.up;
-  weight(WeightGradKind::kDown) = routed.down;
-  weight(WeightGradKind::kGate) = routed.gate;
-  weight(WeightGradKind::kUp) = routed.up;
-  params.push_combine = fused_push_combine(workspace);
-  params.comm_ctas = fused_comm_ctas(workspace, params.push_combine, workspace.config.backward_comm_sms);
-  params.unit_blocks = backward_unit_blocks(workspace, params.comm_ctas);
+    fused::FusedBackwardParams params{};
+    params.ws = mb;
+    if (b != p.max_macrobatches - 1) params.ws.shared_intermediate = 0;  // the shared expert runs once
+    params.shared_act_grad = shared.act_grad;
+    params.shared_data_grad = shared.data_grad;
+    params.act_grad = routed.act_grad;
+    params.data_grad = routed.data_grad;
+    using sched::WeightGradKind;
+    auto weight = [&](WeightGradKind kind) -> kernels::GemmOperands& {
+      return params.weight_grad[static_cast<int>(kind)];
+    };
+    weight(WeightGradKind::kSharedDown) = shared.down;
+    weight(WeightGradKind::kSharedGate) = shared.gate;
+    weight(WeightGradKind::kSharedUp) = shared.up;
+    weight(WeightGradKind::kDown) = routed.down;
+    weight(WeightGradKind::kGate) = routed.gate;
+    weight(WeightGradKind::kUp) = routed.up;
+    params.push_combine = fused_push_combine(workspace);
+    params.comm_ctas = fused_comm_ctas(workspace, params.push_combine, workspace.config.backward_comm_sms);
+    params.unit_blocks = backward_unit_blocks(workspace, params.comm_ctas);
+    launches.push_back(params);
+  }
 
   const BackwardLaunch launch = launch_backward_prologue(workspace, args, timer, stream);
-  // Counters start at zero every call (a memset node in a captured graph).
-  POUNCE_CUDA(
-      cudaMemsetAsync(p.fused_counters, 0, workspace.layout.fused_counter_words * sizeof(uint32_t), stream));
-  fused::fused_backward_kernel<<<workspace.num_sms, kernels::gemm::GemmConfig::kNumThreads, kFusedSharedBytes,
-                                 stream>>>(params);
-  POUNCE_CUDA(cudaGetLastError());
+  for (size_t i = 0; i < launches.size(); ++i) {
+    const int32_t b = p.max_macrobatches - 1 - static_cast<int32_t>(i);
+    // Only the last macrobatch's forward rows are resident: the others' are replayed first.
+    if (p.has_ring())
+      launch_forward_replay(workspace, args, activation, p.macrobatch(b, layout::MacrobatchRows::kReplay),
+                            stream);
+    // Counters start at zero every launch (a memset node in a captured graph).
+    POUNCE_CUDA(cudaMemsetAsync(p.fused_counters, 0, workspace.layout.fused_counter_words * sizeof(uint32_t),
+                                stream));
+    fused::fused_backward_kernel<<<workspace.num_sms, kernels::gemm::GemmConfig::kNumThreads,
+                                   kFusedSharedBytes, stream>>>(launches[i]);
+    POUNCE_CUDA(cudaGetLastError());
+  }
+  launch_context_restore(workspace, args, activation, stream);
   timer.mark("fused");
   launch_backward_epilogue(workspace, args, launch, timer, stream);
 }

@@ -75,6 +75,37 @@ void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) 
       ms(layout::kTimeLastFinished, layout::kTimeCombineBarrier));
 }
 
+// Zeroed counters (a memset node in a captured graph), then the kernel. The whole pass is launched
+// cooperatively: its grid steps (kernels/fused/grid_steps.cuh) wait for every CTA, so all must be resident,
+// and the launch fails instead of hanging when they cannot be. A macrobatch's launch has no grid step (its
+// compute CTAs wait only on communication CTAs, which start first), so it is a plain launch.
+template <bool kWholePass>
+void launch_fused_kernel(GpuWorkspace& workspace, const fused::FusedForwardMaps& maps,
+                         const fused::FusedForwardParams& params, cudaStream_t stream) {
+  POUNCE_CUDA(cudaMemsetAsync(params.ws.fused_counters, 0,
+                              workspace.layout.fused_counter_words * sizeof(uint32_t), stream));
+  cudaLaunchAttribute cooperative{};
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  cudaLaunchConfig_t launch_config{};
+  launch_config.gridDim = dim3(static_cast<unsigned>(workspace.num_sms));
+  launch_config.blockDim = dim3(kernels::gemm::GemmConfig::kNumThreads);
+  launch_config.dynamicSmemBytes = kFusedSharedBytes;
+  launch_config.stream = stream;
+  launch_config.attrs = &cooperative;
+  launch_config.numAttrs = kWholePass ? 1 : 0;
+  const cudaError_t launched =
+      cudaLaunchKernelEx(&launch_config, fused::fused_forward_kernel<kWholePass>, maps, params);
+  if (launched == cudaErrorCooperativeLaunchTooLarge) {
+    (void)cudaGetLastError();  // clear it: the call fails here, the workspace stays usable
+    POUNCE_CHECK(
+        false, "the fused forward needs one resident CTA on each of the device's ", workspace.num_sms,
+        " SMs (a cooperative launch) and the device cannot give them now (an MPS or green-context SM "
+        "limit?); use Config::kernel_path = KernelPath::kStaged");
+  }
+  POUNCE_CUDA(launched);
+}
+
 }  // namespace
 
 bool fused_push_combine(const GpuWorkspace& workspace) {
@@ -115,7 +146,8 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   // Communication CTAs are the first to start; with every SM one of them no tile would ever run.
   POUNCE_CHECK(workspace.num_sms >= 2, "the fused kernel needs at least 2 SMs (device ", workspace.device,
                " has ", workspace.num_sms, "); use Config::kernel_path = KernelPath::kStaged");
-  set_shared_limit_once<fused::fused_forward_kernel>(workspace.device, kFusedSharedBytes);
+  set_shared_limit_once<fused::fused_forward_kernel<true>>(workspace.device, kFusedSharedBytes);
+  set_shared_limit_once<fused::fused_forward_kernel<false>>(workspace.device, kFusedSharedBytes);
   // The prologue's schedule counters live in the stage ring's shared memory, one [El] array per warp.
   constexpr size_t kScratchBytes =
       sizeof(kernels::gemm::SharedStorage::stages) - sizeof(routing::ScanScratch);
@@ -129,8 +161,8 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
 
   using kernels::gemm::GemmConfig;
   fused::FusedForwardMaps maps;
-  maps.x_rows = kernels::activation_rows_map(p.x_rows, p.rows_capacity, H);
-  maps.act_rows = kernels::activation_rows_map(p.act_rows, p.rows_capacity, I);
+  maps.x_rows = kernels::activation_rows_map(p.x_rows, p.ring_rows, H);
+  maps.act_rows = kernels::activation_rows_map(p.act_rows, p.ring_rows, I);
   maps.sym_x = kernels::activation_rows_map(p.local_sym<const void>(p.sym_x), p.token_capacity, H);
   maps.gate = kernels::weight_rows_map(args.routed.gate.data, El, I, H, GemmConfig::BLOCK_N / 2);
   maps.up = kernels::weight_rows_map(args.routed.up.data, El, I, H, GemmConfig::BLOCK_N / 2);
@@ -164,31 +196,23 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   params.comm_ctas = fused_comm_ctas(workspace, params.push_combine, workspace.config.forward_comm_sms);
   params.unit_blocks = fused_unit_blocks(workspace, params.push_combine);
 
-  // Counters start at zero every call (a memset node in a captured graph).
-  POUNCE_CUDA(
-      cudaMemsetAsync(p.fused_counters, 0, workspace.layout.fused_counter_words * sizeof(uint32_t), stream));
-  // Cooperative: the grid steps (kernels/fused/grid_steps.cuh) wait for every CTA, so all must be resident;
-  // the launch fails instead of hanging when they cannot be.
-  cudaLaunchAttribute cooperative{};
-  cooperative.id = cudaLaunchAttributeCooperative;
-  cooperative.val.cooperative = 1;
-  cudaLaunchConfig_t launch_config{};
-  launch_config.gridDim = dim3(static_cast<unsigned>(workspace.num_sms));
-  launch_config.blockDim = dim3(GemmConfig::kNumThreads);
-  launch_config.dynamicSmemBytes = kFusedSharedBytes;
-  launch_config.stream = stream;
-  launch_config.attrs = &cooperative;
-  launch_config.numAttrs = 1;
-  const cudaError_t launched = cudaLaunchKernelEx(&launch_config, fused::fused_forward_kernel, maps, params);
-  if (launched == cudaErrorCooperativeLaunchTooLarge) {
-    (void)cudaGetLastError();  // clear it: the call fails here, the workspace stays usable
-    POUNCE_CHECK(
-        false, "the fused forward needs one resident CTA on each of the device's ", workspace.num_sms,
-        " SMs (a cooperative launch) and the device cannot give them now (an MPS or green-context SM "
-        "limit?); use Config::kernel_path = KernelPath::kStaged");
+  if (!p.has_ring()) {
+    launch_fused_kernel<true>(workspace, maps, params, stream);
+  } else {
+    // With a ring: the staged prologue (and the macrobatch plan), then one launch per possible macrobatch
+    // (those past the plan's count find no rows), then the staged epilogue.
+    launch_forward_prologue(workspace, args, write_out, timer, stream);
+    for (int32_t b = 0; b < p.max_macrobatches; ++b) {
+      params.ws = p.macrobatch(b);
+      if (b > 0) params.ws.shared_intermediate = 0;  // the shared expert's tiles run with macrobatch 0
+      launch_fused_kernel<false>(workspace, maps, params, stream);
+    }
   }
-  POUNCE_CUDA(launched);
   timer.mark("fused");
+  if (p.has_ring()) {
+    launch_forward_epilogue(workspace, args, launch, write_out, timer, stream);
+    return;
+  }
   report_step_times(p, stream);
   launch_weighted_sum(workspace, args, launch, write_out, stream);
   timer.mark("sum");

@@ -139,6 +139,17 @@ BackwardLaunch launch_backward_prologue(GpuWorkspace& workspace, const BackwardA
 void launch_backward_epilogue(GpuWorkspace& workspace, const BackwardArgs& args, const BackwardLaunch& launch,
                               StageTimer& timer, cudaStream_t stream);
 
+// With a macrobatch ring: macrobatch b's x, g, u and act rows again (pull x, gate/up + activation), bitwise
+// the forward's, on `replay` = pointers().macrobatch(b, MacrobatchRows::kReplay or kRestore), which shows
+// rows only where that replay is due (src/gpu/staged_backward.cu; both backward paths).
+void launch_forward_replay(GpuWorkspace& workspace, const BackwardArgs& args,
+                           const kernels::ActivationParams& activation,
+                           const layout::WorkspacePointers& replay, cudaStream_t stream);
+// With a macrobatch ring, after the last macrobatch's backward: the resident last macrobatch's rows again, so
+// the forward context is what the forward left (one replay when there are several macrobatches, else
+// nothing).
+void launch_context_restore(GpuWorkspace& workspace, const BackwardArgs& args,
+                            const kernels::ActivationParams& activation, cudaStream_t stream);
 // Launches the staged backward on `stream` (src/gpu/staged_backward.cu). Consumes the forward context the
 // last forward (or recompute_forward_context) of this workspace left; does not modify it.
 void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream);

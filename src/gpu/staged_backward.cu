@@ -11,6 +11,8 @@
 //                over [d_g, d_u] . [w_gate; w_up] -> reverse-dispatch push into the owners' (token, slot)
 //                [comm stream]; then the weight gradients of every expert
 //   token side   barrier -> d_x[t] = bf16(d_xs[t] + sum_j d_x[t, j]) in ascending j
+// With a macrobatch ring the expert side runs once per possible macrobatch, last first; every macrobatch but
+// the resident last one first replays its forward rows (pull x, gate/up + activation: bitwise the forward's).
 //
 // Weight gradients reduce over each expert's whole row segment in one CTA per output tile, ascending rows
 // (bitwise deterministic); an expert without rows gets zeros. The forward context is read, never written,
@@ -19,6 +21,7 @@
 
 #include "kernels/backward/reverse_combine.cuh"
 #include "kernels/combine/combine.cuh"
+#include "kernels/dispatch/dispatch.cuh"
 #include "kernels/gemm/grouped_gemm.h"
 #include "src/gpu/gpu_state.h"
 #include "src/gpu/mlp_backward.h"
@@ -104,14 +107,41 @@ void launch_backward_epilogue(GpuWorkspace& workspace, const BackwardArgs& args,
   POUNCE_CUDA(cudaGetLastError());
 }
 
-void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream) {
-  DeviceGuard guard(workspace.device);
+void launch_forward_replay(GpuWorkspace& workspace, const BackwardArgs& args,
+                           const kernels::ActivationParams& activation,
+                           const layout::WorkspacePointers& replay, cudaStream_t stream) {
+  const int El = replay.num_local_experts;
+  dispatch::dispatch_pull_kernel<kCommThreads><<<workspace.num_sms, kCommThreads, 0, stream>>>(replay, 0, El);
+  const kernels::GroupedRows rows{replay.rows_capacity, replay.group_row_offset, El, 0};
+  kernels::grouped_gate_up(rows, replay.x_rows, args.inputs.routed.gate.data, args.inputs.routed.up.data,
+                           replay.g_rows, replay.u_rows, replay.act_rows, replay.intermediate, replay.hidden,
+                           activation, stream);
+  POUNCE_CUDA(cudaGetLastError());
+}
+
+void launch_context_restore(GpuWorkspace& workspace, const BackwardArgs& args,
+                            const kernels::ActivationParams& activation, cudaStream_t stream) {
   const layout::WorkspacePointers p = workspace.pointers();
+  if (!p.has_ring()) return;
+  for (int32_t b = 0; b < p.max_macrobatches; ++b)
+    launch_forward_replay(workspace, args, activation, p.macrobatch(b, layout::MacrobatchRows::kRestore),
+                          stream);
+}
+
+namespace {
+
+// One macrobatch's routed backward (the whole routed part without a ring) on mb = p.macrobatch(b), with the
+// shared expert's backward in the first one to run.
+void launch_macrobatch_backward(GpuWorkspace& workspace, const BackwardArgs& args,
+                                const BackwardLaunch& launch, const layout::WorkspacePointers& p, int32_t b,
+                                bool with_shared, StageTimer& timer, cudaStream_t stream) {
+  const layout::WorkspacePointers mb = p.macrobatch(b);
   const int64_t H = p.hidden, Is = p.shared_intermediate;
-  StageTimer timer("backward", p.rank, stream);
-  const BackwardLaunch launch = launch_backward_prologue(workspace, args, timer, stream);
   const kernels::ActivationParams& activation = launch.activation;
-  const int64_t num_tokens = launch.num_tokens;
+  // Only the last macrobatch's x, g, u, act rows are resident after the forward: replay the others'.
+  if (p.has_ring())
+    launch_forward_replay(workspace, args, activation, p.macrobatch(b, layout::MacrobatchRows::kReplay),
+                          stream);
 
   // 2-4 overlapped (src/gpu/overlap.h): the comm stream pulls chunk c's scaled d_out rows while earlier
   // chunks compute, and pushes chunk c's d_x rows while later chunks compute; the shared expert covers the
@@ -122,33 +152,48 @@ void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, c
   cudaEvent_t pulled[kMaxChunks];
   for (int c = 0; c < overlap.num_chunks(); ++c) {
     reverse_combine::pull_scaled_rows_kernel<kCommThreads><<<overlap.comm_sms(), kCommThreads, 0, comm>>>(
-        p, overlap.chunk_begin(c), overlap.chunk_begin(c + 1));
+        mb, overlap.chunk_begin(c), overlap.chunk_begin(c + 1));
     pulled[c] = overlap.mark(comm);
   }
   POUNCE_CUDA(cudaGetLastError());
 
-  const MlpBackward shared = shared_mlp_backward(p, args, overlap.gemm_ctas());
-  if (Is > 0 && num_tokens > 0) launch_mlp_data_grads(shared, 0, 1, H, activation, stream);
-  if (Is > 0) launch_mlp_weight_grads(shared, H, args.accumulate_weight_grads, stream);
-
-  timer.mark("shared");
+  if (with_shared) {
+    const MlpBackward shared = shared_mlp_backward(p, args, overlap.gemm_ctas());
+    if (Is > 0 && launch.num_tokens > 0) launch_mlp_data_grads(shared, 0, 1, H, activation, stream);
+    if (Is > 0) launch_mlp_weight_grads(shared, H, args.accumulate_weight_grads, stream);
+    timer.mark("shared");
+  }
   // Routed experts, chunk by chunk: data gradients, then the reverse-dispatch push on the comm stream.
-  const MlpBackward routed = routed_mlp_backward(p, args, overlap.gemm_ctas());
+  MlpBackward routed = routed_mlp_backward(mb, args, overlap.gemm_ctas());
+  routed.rows.group_active = p.owned_experts(b);  // weight gradients of the experts b holds (all: no ring)
   for (int c = 0; c < overlap.num_chunks(); ++c) {
     const int e0 = overlap.chunk_begin(c), e1 = overlap.chunk_begin(c + 1);
     overlap.wait(stream, pulled[c]);
     launch_mlp_data_grads(routed, e0, e1 - e0, H, activation, stream);
     overlap.comm_after_main();
     combine::combine_push_kernel<kCommThreads>
-        <<<overlap.comm_sms(), kCommThreads, 0, comm>>>(p, p.dx_rows, p.sym_dx_slots, e0, e1);
+        <<<overlap.comm_sms(), kCommThreads, 0, comm>>>(mb, mb.dx_rows, mb.sym_dx_slots, e0, e1);
   }
   POUNCE_CUDA(cudaGetLastError());
   timer.mark("data_grad_chunks");
   // Weight gradients over every expert's whole segment (experts without rows get zeros).
   launch_mlp_weight_grads(routed, H, args.accumulate_weight_grads, stream);
   timer.mark("weight_grads");
-  overlap.main_after_comm();
+  overlap.main_after_comm();  // the next macrobatch overwrites the ring rows these transfers read
   timer.mark("join");
+}
+
+}  // namespace
+
+void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream) {
+  DeviceGuard guard(workspace.device);
+  const layout::WorkspacePointers p = workspace.pointers();
+  StageTimer timer("backward", p.rank, stream);
+  const BackwardLaunch launch = launch_backward_prologue(workspace, args, timer, stream);
+  // Every possible macrobatch, last first (one without a ring): the forward left the last one resident.
+  for (int32_t b = p.max_macrobatches - 1; b >= 0; --b)
+    launch_macrobatch_backward(workspace, args, launch, p, b, b == p.max_macrobatches - 1, timer, stream);
+  launch_context_restore(workspace, args, launch.activation, stream);
   launch_backward_epilogue(workspace, args, launch, timer, stream);
 }
 

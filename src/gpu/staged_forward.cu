@@ -3,9 +3,10 @@
 // the host (every kernel reads group_row_offset on the device), so the whole chain is capturable in a CUDA
 // graph and replays with new routing written into the same input buffers.
 //
-//   stage x -> routing exchange -> barrier -> schedule (count, scan, place) ->
-//   [comm stream]  dispatch pull per expert chunk ........ combine push per chunk
-//   [caller]       shared expert -> per chunk: grouped gate/up -> grouped down
+//   stage x -> routing exchange -> barrier -> schedule (count, scan, place) [-> macrobatch plan] ->
+//   per macrobatch (one without a ring):
+//     [comm stream]  dispatch pull per expert chunk ........ combine push per chunk
+//     [caller]       shared expert (first only) -> per chunk: grouped gate/up -> grouped down
 //   -> barrier -> weighted sum
 //
 // Cross-GPU ordering exists only at the two phase barriers (system-scope release/acquire, flags.cuh);
@@ -20,6 +21,7 @@
 #include "kernels/gemm/grouped_gemm.h"
 #include "kernels/routing/routing_exchange.cuh"
 #include "kernels/routing/schedule.cuh"
+#include "kernels/sched/macrobatch_plan.cuh"
 #include "src/gpu/gpu_state.h"
 #include "src/gpu/overlap.h"
 #include "src/gpu/stage_timer.h"
@@ -107,6 +109,10 @@ ForwardLaunch launch_forward_prologue(GpuWorkspace& workspace, const ForwardArgs
   routing::schedule_scan_kernel<kScanThreads><<<1, kScanThreads, 0, stream>>>(p);
   routing::schedule_place_kernel<routing::kScheduleThreads>
       <<<schedule_grid, routing::kScheduleThreads, schedule_smem, stream>>>(p);
+  if (p.has_ring()) {
+    constexpr int kPlanThreads = sched::kPlanThreads;
+    sched::plan_macrobatches_kernel<kPlanThreads><<<workspace.num_sms, kPlanThreads, 0, stream>>>(p);
+  }
   POUNCE_CUDA(cudaGetLastError());
   timer.mark("schedule");
   return launch;
@@ -133,15 +139,13 @@ void launch_weighted_sum(GpuWorkspace& workspace, const ForwardArgs& args, const
   POUNCE_CUDA(cudaGetLastError());
 }
 
-void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
-                           bool write_out) {
-  DeviceGuard guard(workspace.device);
-  const layout::WorkspacePointers p = workspace.pointers();
-  const int64_t H = p.hidden, I = p.intermediate, Is = p.shared_intermediate;
-  StageTimer timer("forward", p.rank, stream);
-  const ForwardLaunch launch = launch_forward_prologue(workspace, args, write_out, timer, stream);
+// One macrobatch's routed work (the whole routed part without a ring), on `mb` = p.macrobatch(b), and with
+// the shared expert in macrobatch 0.
+void launch_macrobatch_forward(GpuWorkspace& workspace, const ForwardArgs& args, const ForwardLaunch& launch,
+                               const layout::WorkspacePointers& mb, bool with_shared, StageTimer& timer,
+                               cudaStream_t stream) {
+  const int64_t H = mb.hidden, I = mb.intermediate, Is = mb.shared_intermediate;
   const kernels::ActivationParams& activation = launch.activation;
-
   // 4-7 overlapped (src/gpu/overlap.h): the comm stream pulls chunk c's rows while the GEMMs of chunk c - 1
   // run, and pushes chunk c's outputs while chunk c + 1 computes. The shared expert needs no transfer, so
   // it runs first and covers the first pull.
@@ -151,35 +155,46 @@ void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cud
   cudaEvent_t pulled[kMaxChunks];
   for (int c = 0; c < overlap.num_chunks(); ++c) {
     dispatch::dispatch_pull_kernel<kCommThreads><<<overlap.comm_sms(), kCommThreads, 0, comm>>>(
-        p, overlap.chunk_begin(c), overlap.chunk_begin(c + 1));
+        mb, overlap.chunk_begin(c), overlap.chunk_begin(c + 1));
     pulled[c] = overlap.mark(comm);
   }
   POUNCE_CUDA(cudaGetLastError());
-  if (Is > 0 && launch.num_tokens > 0) {  // own rows: sym_x, T padded to 128 with zero rows
-    const kernels::GroupedRows shared{p.token_capacity, p.shared_row_offset, 1, overlap.gemm_ctas()};
-    const void* sym_x = p.local_sym<const void>(p.sym_x);
-    kernels::grouped_gate_up(shared, sym_x, args.shared.gate.data, args.shared.up.data, p.shared_g,
-                             p.shared_u, p.shared_act, Is, H, activation, stream);
-    kernels::grouped_gemm(shared, p.shared_act, args.shared.down.data, p.shared_y, H, Is, stream);
+  if (with_shared && Is > 0 && launch.num_tokens > 0) {  // own rows: sym_x, T padded to 128 with zero rows
+    const kernels::GroupedRows shared{mb.token_capacity, mb.shared_row_offset, 1, overlap.gemm_ctas()};
+    const void* sym_x = mb.local_sym<const void>(mb.sym_x);
+    kernels::grouped_gate_up(shared, sym_x, args.shared.gate.data, args.shared.up.data, mb.shared_g,
+                             mb.shared_u, mb.shared_act, Is, H, activation, stream);
+    kernels::grouped_gemm(shared, mb.shared_act, args.shared.down.data, mb.shared_y, H, Is, stream);
   }
-  timer.mark("shared");
+  if (with_shared) timer.mark("shared");
   for (int c = 0; c < overlap.num_chunks(); ++c) {
     const int e0 = overlap.chunk_begin(c), e1 = overlap.chunk_begin(c + 1);
     overlap.wait(stream, pulled[c]);
-    const kernels::GroupedRows routed{p.rows_capacity, p.group_row_offset + e0, e1 - e0, overlap.gemm_ctas()};
-    kernels::grouped_gate_up(routed, p.x_rows, expert_slice(args.routed.gate, e0),
-                             expert_slice(args.routed.up, e0), p.g_rows, p.u_rows, p.act_rows, I, H,
+    const kernels::GroupedRows routed{mb.rows_capacity, mb.group_row_offset + e0, e1 - e0,
+                                      overlap.gemm_ctas()};
+    kernels::grouped_gate_up(routed, mb.x_rows, expert_slice(args.routed.gate, e0),
+                             expert_slice(args.routed.up, e0), mb.g_rows, mb.u_rows, mb.act_rows, I, H,
                              activation, stream);
-    kernels::grouped_gemm(routed, p.act_rows, expert_slice(args.routed.down, e0), p.y_rows, H, I, stream);
+    kernels::grouped_gemm(routed, mb.act_rows, expert_slice(args.routed.down, e0), mb.y_rows, H, I, stream);
     overlap.comm_after_main();
     combine::combine_push_kernel<kCommThreads>
-        <<<overlap.comm_sms(), kCommThreads, 0, comm>>>(p, p.y_rows, p.sym_y_slots, e0, e1);
+        <<<overlap.comm_sms(), kCommThreads, 0, comm>>>(mb, mb.y_rows, mb.sym_y_slots, e0, e1);
   }
   timer.mark("chunks");
-  overlap.main_after_comm();
+  overlap.main_after_comm();  // the next macrobatch overwrites the ring rows these transfers read
   timer.mark("join");
   POUNCE_CUDA(cudaGetLastError());
+}
 
+void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
+                           bool write_out) {
+  DeviceGuard guard(workspace.device);
+  const layout::WorkspacePointers p = workspace.pointers();
+  StageTimer timer("forward", p.rank, stream);
+  const ForwardLaunch launch = launch_forward_prologue(workspace, args, write_out, timer, stream);
+  // Every possible macrobatch in order (one without a ring); those past the plan's count find no rows.
+  for (int32_t b = 0; b < p.max_macrobatches; ++b)
+    launch_macrobatch_forward(workspace, args, launch, p.macrobatch(b), b == 0, timer, stream);
   launch_forward_epilogue(workspace, args, launch, write_out, timer, stream);
 }
 

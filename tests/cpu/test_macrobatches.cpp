@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "kernels/layout/workspace_layout.cuh"
 #include "kernels/sched/macrobatches.cuh"
 
 namespace {
@@ -105,6 +106,57 @@ TEST(Macrobatches, RandomSchedules) {
     check(offsets, ring);
     if (::testing::Test::HasFatalFailure()) return;
   }
+}
+
+// The GPU ring (kernels/sched/macrobatch_plan.cuh) packs only experts that fit it: then no expert is cut and
+// the count stays within WorkspaceLayout::max_macrobatches (two neighbours hold more than the ring), which
+// sizes the plan's tables. Segments up to the ring, totals up to the capacity.
+TEST(Macrobatches, RingOfWholeExpertsStaysWithinTheLayoutBound) {
+  std::mt19937 gen(29);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); };
+  for (int i = 0; i < 500; ++i) {
+    const int groups = pick(1, 64);
+    const int32_t ring = 128 * pick(1, 16);
+    const int64_t capacity = 128 * pick(1, 200);
+    std::vector<int32_t> offsets(groups + 1, 0);
+    for (int g = 0; g < groups; ++g) {
+      const int32_t rows = 128 * (pick(0, 2) == 0 ? 0 : pick(1, ring / 128));
+      offsets[g + 1] = static_cast<int32_t>(std::min<int64_t>(offsets[g] + rows, capacity));
+    }
+    const int64_t bound = 2 * (capacity / ring) + 1;  // WorkspaceLayout::max_macrobatches with a ring
+    SCOPED_TRACE(::testing::Message()
+                 << "case " << i << ": " << groups << " experts, ring " << ring << ", capacity " << capacity);
+    const std::vector<int32_t> bounds = plan(offsets, ring);
+    EXPECT_LE(static_cast<int64_t>(bounds.size()) - 1, bound);
+    for (int32_t g = 0; g < groups; ++g) {
+      if (offsets[g + 1] == offsets[g]) continue;
+      const auto inside = std::upper_bound(bounds.begin(), bounds.end(), offsets[g]);
+      ASSERT_NE(inside, bounds.end());
+      EXPECT_LE(offsets[g + 1], *inside) << "expert " << g << " is cut";
+    }
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+// A ring below the worst case shrinks the eight routed row buffers to ring rows and sizes the plan for
+// 2 * floor(rows_capacity / ring) + 1 macrobatches; the default (0) and a ring at the worst case keep the
+// layout without a ring.
+TEST(Macrobatches, RingShrinksTheRoutedRowBuffers) {
+  using pounce::layout::WorkspaceLayout;
+  // deepseek-v3 at EP8, 4096 tokens per rank: 32 local experts, top-8
+  const WorkspaceLayout worst = WorkspaceLayout::make(4096, 7168, 2048, 2048, 256, 8, 8, 0);
+  const WorkspaceLayout same = WorkspaceLayout::make(4096, 7168, 2048, 2048, 256, 8, 8, worst.rows_capacity);
+  const int64_t ring = 2 * 8 * 4096;
+  const WorkspaceLayout small = WorkspaceLayout::make(4096, 7168, 2048, 2048, 256, 8, 8, ring);
+  EXPECT_EQ(worst.ring_rows, worst.rows_capacity);
+  EXPECT_EQ(worst.max_macrobatches, 1);
+  EXPECT_EQ(same.local_bytes, worst.local_bytes);
+  EXPECT_EQ(small.ring_rows, ring);
+  EXPECT_EQ(small.max_macrobatches, 2 * (worst.rows_capacity / ring) + 1);
+  const int64_t routed_row_bytes = 2 * (4 * 7168 + 4 * 2048);  // x, y, dy, dx; g, u, act, d_g|d_u (2I)
+  EXPECT_EQ(small.loc_x_rows % 256, 0);
+  EXPECT_LT(small.local_bytes, worst.local_bytes - (worst.rows_capacity - ring) * routed_row_bytes * 9 / 10)
+      << "the routed row buffers shrink to the ring";
 }
 
 }  // namespace

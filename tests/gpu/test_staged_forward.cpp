@@ -73,12 +73,14 @@ enum class Mode { kEagerTwice, kGraphVsEager, kStagedVsFused };
 // One rank's share of `calls` on `device` through `group`; fills results[call][rank]. Throws on failure.
 void run_rank(const Model& m, const std::vector<std::vector<RankData>>& data, const std::vector<Call>& calls,
               Mode mode, const pounce::Group& group, int rank, int device,
-              std::vector<std::vector<RankResult>>& results, int64_t minibatch_size) {
+              std::vector<std::vector<RankResult>>& results, int64_t minibatch_size,
+              int64_t macrobatch_size) {
   const pounce::Shape& s = m.shape;
   CUDA_OK(cudaSetDevice(device));
   pounce::Config config;
   config.activation = m.activation;
   config.minibatch_size = minibatch_size;
+  config.macrobatch_size = macrobatch_size;
   pounce::Workspace workspace(group, s, config);
   pounce::gpu::GpuWorkspace& gpu_ws = *workspace.state().gpu;
   DeviceWeights weights(m, rank, rank);
@@ -177,11 +179,11 @@ void run_rank(const Model& m, const std::vector<std::vector<RankData>>& data, co
 std::vector<std::vector<RankResult>> run_on_gpus(const Model& m,
                                                  const std::vector<std::vector<RankData>>& data,
                                                  const std::vector<Call>& calls, Mode mode,
-                                                 int64_t minibatch_size) {
+                                                 int64_t minibatch_size, int64_t macrobatch_size = 0) {
   const int R = static_cast<int>(m.shape.num_ranks);
   std::vector<std::vector<RankResult>> results(calls.size(), std::vector<RankResult>(R));
   run_ranks(R, [&](const pounce::Group& group, int rank) {
-    run_rank(m, data, calls, mode, group, rank, rank, results, minibatch_size);
+    run_rank(m, data, calls, mode, group, rank, rank, results, minibatch_size, macrobatch_size);
   });
   return results;
 }
@@ -440,15 +442,51 @@ TEST(StagedForward, MissingPeerTimesOutWithARecordNotAHang) {
       << rank0_error;
 }
 
-TEST(StagedForward, MacrobatchBelowWorstCaseIsRejected) {
+// The smallest ring (config.macrobatch_size = num_ranks * max_tokens, padded): the routed experts run in
+// several macrobatches, staged then fused, both against the reference and fused == staged bitwise.
+TEST(StagedForward, MacrobatchRingMatchesReference) {
+  SKIP_UNLESS_GPUS(1);
+  for (int R = 1; R <= std::min(2, visible_gpus()); ++R) {
+    const Model m = make_model(make_shape(300, 128, 64, 16, 4, 64, R), pounce::Activation::swiglu(), 17);
+    const std::vector<int64_t> tokens = R == 2 ? std::vector<int64_t>{300, 255} : std::vector<int64_t>{300};
+    const std::vector<Call> calls = {{tokens, Routing::kRandom, false, 33},
+                                     {tokens, Routing::kAllToOneExpert, true, 34},
+                                     {tokens, Routing::kFewExperts, false, 35}};
+    const std::vector<std::vector<RankData>> data = make_call_data(m.shape, calls);
+    const int64_t ring = (R * 300 + pounce::kBlockM - 1) / pounce::kBlockM * pounce::kBlockM;
+    const auto results = run_on_gpus(m, data, calls, Mode::kStagedVsFused, 0, ring);
+    for (size_t c = 0; c < calls.size(); ++c)
+      check_call(m, calls[c], data[c], results[c],
+                 "ring of " + std::to_string(ring) + " rows, call " + std::to_string(c));
+  }
+}
+
+// A token naming one expert in every slot sends it more rows than the smallest ring holds: the call reports
+// it (nothing routed is computed, nothing written out of bounds) and the next call is clean.
+TEST(StagedForward, MacrobatchOverflowIsReportedNotWritten) {
+  SKIP_UNLESS_GPUS(1);
+  const Model m = make_model(make_shape(128, 128, 64, 4, 2, 0, 1), pounce::Activation::swiglu(), 18);
+  Call crowded{{128}, Routing::kRandom, false, 36};
+  Call good{{128}, Routing::kRandom, false, 37};
+  std::vector<std::vector<RankData>> data = {{make_rank_data(m.shape, crowded, 0)},
+                                             {make_rank_data(m.shape, good, 0)}};
+  for (int32_t& e : data[0][0].topk_idx) e = 1;  // 256 rows for expert 1, the ring holds 128
+  for (const Mode mode : {Mode::kEagerTwice, Mode::kStagedVsFused}) {
+    const auto results = run_on_gpus(m, data, {crowded, good}, mode, 0, pounce::kBlockM);
+    EXPECT_NE(results[0][0].error.find("macrobatch overflow"), std::string::npos) << results[0][0].error;
+    check_call(m, good, data[1], results[1], "after the overflowing call");
+  }
+}
+
+TEST(StagedForward, MacrobatchBelowOneExpertsRowsIsRejected) {
   SKIP_UNLESS_GPUS(1);
   const pounce::Shape s = make_shape(1024, 128, 64, 4, 2, 0, 1);
   std::vector<pounce::Group> groups = pounce::Group::create_nccl_local(1);
   pounce::Config config;
-  config.macrobatch_size = 4 * pounce::kBlockM;
+  config.macrobatch_size = 4 * pounce::kBlockM;  // below max_tokens = 1024
   try {
     pounce::Workspace workspace(groups[0], s, config);
-    FAIL() << "a macrobatch below the worst case was accepted";
+    FAIL() << "a macrobatch below one expert's rows was accepted";
   } catch (const pounce::Error& error) {
     EXPECT_NE(std::string(error.what()).find("macrobatch_size"), std::string::npos) << error.what();
   }
@@ -473,7 +511,7 @@ TEST(ProcessGroup, TorchrunEnvironment) {
   std::vector<std::vector<RankResult>> results(calls.size(), std::vector<RankResult>(R));
   int device = 0;
   CUDA_OK(cudaGetDevice(&device));
-  run_rank(m, data, calls, Mode::kEagerTwice, group, rank, device, results, 0);
+  run_rank(m, data, calls, Mode::kEagerTwice, group, rank, device, results, 0, 0);
   for (size_t c = 0; c < calls.size(); ++c)
     check_call(m, calls[c], data[c], results[c], "process group call " + std::to_string(c), rank);
 }

@@ -66,6 +66,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   run_app->add_option("--minibatch", run.minibatch, "rows per dispatch->GEMM handoff (0 = heuristic)")
       ->capture_default_str();
+  run_app
+      ->add_option(
+          "--macrobatch", run.macrobatch,
+          "rows of the routed activation ring (0 = the dropless worst case; at least ranks x tokens)")
+      ->capture_default_str();
   run_app->add_option("--kernel", run.kernel, "forward on GPUs: fused (one persistent kernel) | staged")
       ->capture_default_str();
   run_app->add_option("--backward-kernel", run.backward_kernel, "backward on GPUs: fused | staged")

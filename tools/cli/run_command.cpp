@@ -106,6 +106,7 @@ json to_json(const RunOptions& options, const RunSetup& setup, const RunOutcome&
       {"config",
        {{"comm_sms", setup.config.forward_comm_sms},
         {"minibatch_size", setup.config.minibatch_size},
+        {"macrobatch_size", setup.config.macrobatch_size},
         {"kernel_path", to_string(setup.config.kernel_path)},
         {"backward_kernel_path", to_string(setup.config.backward_kernel_path)}}},
       {"seed", options.seed},

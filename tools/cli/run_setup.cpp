@@ -142,6 +142,7 @@ RunSetup resolve_run(const RunOptions& options, const BackendChoice& backend, co
   setup.config.forward_comm_sms = options.comm_sms;
   setup.config.backward_comm_sms = options.comm_sms;
   setup.config.minibatch_size = options.minibatch;
+  setup.config.macrobatch_size = options.macrobatch;
   POUNCE_CHECK(options.kernel == "fused" || options.kernel == "staged", "--kernel ", options.kernel,
                " is unknown; choose fused or staged");
   setup.config.kernel_path = options.kernel == "fused" ? KernelPath::kFused : KernelPath::kStaged;

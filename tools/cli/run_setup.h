@@ -24,6 +24,7 @@ struct RunOptions {
   std::optional<int> iters;
   int comm_sms = 0;
   int64_t minibatch = 0;
+  int64_t macrobatch = 0;
   std::string kernel = "fused";            // fused | staged (GPU forward)
   std::string backward_kernel = "staged";  // fused | staged (GPU backward)
   std::optional<int64_t> check_tokens;     // per rank; 0 = all
