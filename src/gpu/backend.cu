@@ -493,6 +493,12 @@ void check_device_errors(GpuWorkspace& workspace) {
           << " rows but the worst case for distinct expert ids per token is " << copy.expected
           << "; a token names the same expert in several slots (rows beyond the capacity were dropped)";
       break;
+    case layout::DeviceErrorCode::kMacrobatchOverflow:
+      out << "macrobatch overflow on rank " << copy.rank << ": local expert " << copy.token << " receives "
+          << copy.observed << " rows (padded) but config.macrobatch_size is " << copy.expected
+          << "; a token names the same expert in several slots. The routed experts computed nothing in this "
+             "call; raise macrobatch_size (0 = the worst case) or give every token distinct experts";
+      break;
     default:
       out << "unknown device error code " << copy.code << " on rank " << copy.rank;
   }
