@@ -597,11 +597,19 @@ TEST(StagedBackward, CudaGraphReplaysForwardAndBackward) {
   const Model m = make_model(make_shape(256, 256, 128, 8, 4, 128, R), pounce::Activation::swiglu(), 91);
   // Same T per rank in every call (the captured shapes), new routing and data each call.
   const std::vector<int64_t> tokens = R == 2 ? std::vector<int64_t>{256, 190} : std::vector<int64_t>{190};
-  run_and_check(m,
-                {{tokens, Routing::kRandom, false, 92},
-                 {tokens, Routing::kAllToOneExpert, false, 93},
-                 {tokens, Routing::kSparse, false, 94}},
-                true, "cuda graph");
+  const std::vector<Call> calls = {{tokens, Routing::kRandom, false, 92},
+                                   {tokens, Routing::kAllToOneExpert, false, 93},
+                                   {tokens, Routing::kSparse, false, 94}};
+  run_and_check(m, calls, true, "cuda graph");
+  // With the smallest macrobatch ring, on both paths: every possible macrobatch's launches are in the graph,
+  // those past the call's count find no rows.
+  for (const pounce::KernelPath path : {pounce::KernelPath::kStaged, pounce::KernelPath::kFused}) {
+    pounce::Config ringed;
+    ringed.kernel_path = ringed.backward_kernel_path = path;
+    ringed.macrobatch_size = (R * 256 + pounce::kBlockM - 1) / pounce::kBlockM * pounce::kBlockM;
+    run_and_check(m, calls, true, std::string("cuda graph, macrobatch ring, ") + pounce::to_string(path),
+                  ringed);
+  }
 }
 
 // Chunks of local experts (config.minibatch_size) and the communication SM counts only schedule the work:
