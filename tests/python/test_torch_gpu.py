@@ -170,6 +170,22 @@ def test_fused_backward_kernel_equals_staged(world):
                           "fused and staged backward differ"))
 
 
+def test_macrobatch_ring_equals_worst_case(world):
+    """Config.macrobatch_size at its minimum (ranks x max_tokens rows): the routed experts run in macrobatches,
+    the backward replays all but the last, and every output and gradient is the worst-case layer's, bit for
+    bit."""
+    rank, R, _ = world
+    inputs, routed, shared_w = make_inputs(R, [300, 170], seed=23, shared=IS)
+    ring = (R * MAX_TOKENS + 127) // 128 * 128
+    worst = make_module(routed, shared_w)
+    ringed = make_module(routed, shared_w, config=pounce.Config(macrobatch_size=ring))
+    got_worst = step(worst, *inputs[rank])
+    got_ring = step(ringed, *inputs[rank])
+    check_against_reference(rank, ringed, got_ring, inputs, routed, shared_w)
+    agree(lambda: require(all(torch.equal(a, b) for a, b in zip(got_worst, got_ring)),
+                          "the macrobatch ring changes the results"))
+
+
 def test_gpt_oss_and_all_tokens_to_one_expert(world):
     rank, R, _ = world
     inputs, routed, _ = make_inputs(R, [257, 64], seed=5, one_expert=E - 1)
