@@ -14,6 +14,9 @@
 //                                                                               d_x slots (scatter)
 //   weight tile (kWeightGrad)         one output tile of d_w_down = dy^T act, d_w_gate = d_g^T x or
 //                                     d_w_up = d_u^T x over its expert's whole row segment
+//   replay tile (kForwardGateUp)      macrobatch ring only, ahead of everything: the forward's g, u, act of
+//                                     this macrobatch's rows (x pulled again by the communication CTAs
+//                                     first), bitwise the forward's -> counts replay_done[m]
 // Every tile is computed exactly as by the standalone GEMMs (same operands from kernels/gemm/
 // gemm_operands.h, same tiles, same K order), so every gradient is bitwise the staged path's.
 #pragma once
@@ -21,6 +24,7 @@
 #include <cuda.h>
 
 #include "kernels/backward/reverse_combine.cuh"
+#include "kernels/dispatch/dispatch.cuh"
 #include "kernels/fused/fused_common.cuh"
 #include "kernels/gemm/gemm_operands.h"
 #include "kernels/sched/backward_tasks.cuh"
@@ -37,6 +41,8 @@ inline constexpr kernels::gemm::GemmKind kDataGradGemm =
     kernels::gemm::gemm_kind(kernels::gemm::KernelKind::kDataGrad);
 inline constexpr kernels::gemm::GemmKind kWeightGradGemm =
     kernels::gemm::gemm_kind(kernels::gemm::KernelKind::kWeightGrad);
+inline constexpr kernels::gemm::GemmKind kReplayGemm =
+    kernels::gemm::gemm_kind(kernels::gemm::KernelKind::kForwardGateUp);
 
 // Operands (maps + arguments) of the ten GEMMs, built on the host by the standalone launchers' builders.
 struct FusedBackwardParams {
@@ -44,6 +50,10 @@ struct FusedBackwardParams {
   kernels::GemmOperands shared_act_grad, shared_data_grad;  // unused without a shared expert
   kernels::GemmOperands act_grad, data_grad;
   kernels::GemmOperands weight_grad[sched::kNumWeightGrads];  // sched::WeightGradKind order
+  // Macrobatch ring: the forward's gate/up over this macrobatch's rows, and the offsets of the rows to replay
+  // (WorkspacePointers::macrobatch(b, kReplay): none for the resident last macrobatch); null without a ring.
+  kernels::GemmOperands replay_gate_up;
+  const int32_t* replay_row_offset;
   int32_t comm_ctas;
   int32_t unit_blocks;  // m-blocks per minibatch
   bool push_combine;    // true: communication CTAs push dx_rows; false: d_x epilogues scatter into slots
@@ -71,6 +81,12 @@ __device__ __forceinline__ sched::BackwardTaskShape task_shape_of(const FusedBac
   data.shared_down_n = has_shared ? n_blocks(p.shared_data_grad.args) : 0;
   data.gate_up_n = n_blocks(p.act_grad.args);
   data.down_n = n_blocks(p.data_grad.args);
+  if (p.replay_row_offset != nullptr) {
+    shape.replay_m_blocks =
+        min(p.replay_row_offset[p.ws.num_local_experts] / GemmConfig::BLOCK_M, data.routed_m_blocks);
+    constexpr int kReplayN = kernels::gemm::kOutBlockN<kReplayGemm.epilogue>;
+    shape.replay_n = (p.replay_gate_up.args.n + kReplayN - 1) / kReplayN;
+  }
   for (int w = 0; w < sched::kNumWeightGrads; ++w) {
     const GroupedGemmArgs& args = p.weight_grad[w].args;
     const bool shared = sched::is_shared(static_cast<WeightGradKind>(w));
@@ -114,6 +130,10 @@ struct BackwardScheduler {
     return wait_count(p.ws, counters_of(p.ws).first_done(shared, m_block), expected,
                       layout::WaitId::kFusedActGradDone, m_block, left_until(deadline_ns));
   }
+  __device__ bool replayed(int32_t m_block, uint64_t deadline_ns = 0) const {
+    return wait_count(p.ws, counters_of(p.ws).replay_done(m_block), 2u * shape.replay_n,
+                      layout::WaitId::kFusedReplayDone, m_block, left_until(deadline_ns));
+  }
   __device__ bool rows_ready(int32_t j, uint64_t deadline_ns = 0) const {
     return wait_count(p.ws, counters_of(p.ws).rows_ready(j), static_cast<uint32_t>(p.comm_ctas),
                       layout::WaitId::kFusedBackwardRowsReady, j, left_until(deadline_ns));
@@ -131,7 +151,12 @@ struct BackwardScheduler {
       m_begin = min(p.ws.group_row_offset[task.group] / GemmConfig::BLOCK_M, shape.data.routed_m_blocks);
       m_end = min(p.ws.group_row_offset[task.group + 1] / GemmConfig::BLOCK_M, shape.data.routed_m_blocks);
     }
-    if (task.weight == WeightGradKind::kDown) {
+    if (task.weight == WeightGradKind::kDown && shape.replay_m_blocks > 0) {
+      // act is replayed: the expert's d_a tiles waited for it (and for dy)
+      for (int32_t m = m_begin; m < m_end; ++m) {
+        if (!act_grads_done(false, m, deadline)) return false;
+      }
+    } else if (task.weight == WeightGradKind::kDown) {
       const int32_t units = shape.data.routed_units();
       if (!all_rows_ready && units > 0 &&
           flags::ld_acquire_gpu(counters_of(p.ws).rows_ready(units - 1)) >=
@@ -169,9 +194,17 @@ struct BackwardScheduler {
     }
     bool ready = true;
     switch (task.kind) {
-      case BackwardTaskKind::kActGrad:
-        ready = rows_ready(task.unit);
+      case BackwardTaskKind::kReplayGateUp:
+        ready =
+            wait_count(p.ws, counters_of(p.ws).replay_rows_ready(task.unit),
+                       static_cast<uint32_t>(p.comm_ctas), layout::WaitId::kFusedReplayRowsReady, task.unit);
         break;
+      case BackwardTaskKind::kActGrad: {
+        const uint64_t deadline = flags::global_timer_ns() + p.ws.timeout_ns;
+        ready = rows_ready(task.unit, deadline) &&
+                (shape.replay_m_blocks == 0 || replayed(task.m_block, deadline));
+        break;
+      }
       case BackwardTaskKind::kSharedDataGrad:
       case BackwardTaskKind::kDataGrad:
         ready = act_grads_done(task.kind == BackwardTaskKind::kSharedDataGrad, task.m_block);
@@ -214,6 +247,9 @@ __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss,
       weight_grad_k_range(o.args, task.group, kb_begin, kb_end);
       return produce(GemmTag<kWeightGradGemm>{}, o, task.group, kb_begin, kb_end);
     }
+    case BackwardTaskKind::kReplayGateUp:
+      return produce(GemmTag<kReplayGemm>{}, p.replay_gate_up, expert_of_block(p.ws, task.m_block), 0,
+                     k_blocks(p.replay_gate_up.args));
     case BackwardTaskKind::kEnd:
       break;
   }
@@ -251,6 +287,10 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
                             consumer_idx);
       }
       return true;
+    case BackwardTaskKind::kReplayGateUp:
+      done = counters.replay_done(task.m_block);
+      return kernels::gemm::consume_tile<kReplayGemm>(ss, ring, p.replay_gate_up.args, tile, 0,
+                                                      k_blocks(p.replay_gate_up.args), consumer_idx, acc);
     case BackwardTaskKind::kWeightGrad: {
       const GroupedGemmArgs& args = p.weight_grad[static_cast<int>(task.weight)].args;
       int32_t kb_begin, kb_end;
@@ -273,12 +313,20 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
   const int32_t role = start_cta(params.ws, params.comm_ctas, ss, slots);
   if (role < params.comm_ctas) {
     const layout::WorkspacePointers& ws = params.ws;
+    const sched::BackwardTaskShape shape = task_shape_of(params);
     CommunicationPlan plan;
-    plan.shape = task_shape_of(params).data;
+    plan.shape = shape.data;
     plan.comm_ctas = params.comm_ctas;
     plan.push_combine = params.push_combine;
     plan.second_tiles_per_block = 2u * plan.shape.down_n;
     plan.rows_done_wait = layout::WaitId::kFusedBackwardRowsDone;
+    if (shape.replay_m_blocks > 0) {  // this macrobatch's x rows again, ahead of dy: the list replays first
+      CommunicationPlan replay = plan;
+      replay.replay = true;
+      replay.push_combine = false;
+      run_communication(
+          ws, slots.go, replay, role, [&](int64_t row) { dispatch::pull_row<8>(ws, row); }, [](int64_t) {});
+    }
     run_communication(
         ws, slots.go, plan, role, [&](int64_t row) { reverse_combine::pull_scaled_row<8>(ws, row); },
         [&](int64_t row) { combine::push_row<8>(ws, ws.dx_rows, ws.sym_dx_slots, row); });

@@ -51,6 +51,14 @@ struct FusedCounters {
   __device__ uint32_t* first_done(bool shared, int32_t m_block) const {
     return base + layout::kFusedHeaderWords + 2 * max_m_blocks + (shared ? 0 : token_blocks) + m_block;
   }
+  // The fused backward's replay of a macrobatch's forward rows: x rows of unit j pulled, gate/up of an
+  // m-block.
+  __device__ uint32_t* replay_rows_ready(int32_t j) const {
+    return base + layout::kFusedHeaderWords + 3 * max_m_blocks + token_blocks + j;
+  }
+  __device__ uint32_t* replay_done(int32_t m_block) const {
+    return base + layout::kFusedHeaderWords + 4 * max_m_blocks + token_blocks + m_block;
+  }
 };
 
 __device__ __forceinline__ FusedCounters counters_of(const layout::WorkspacePointers& ws) {
@@ -130,6 +138,7 @@ __device__ __forceinline__ int32_t expert_of_block(const layout::WorkspacePointe
 // The routed units of one call, as the communication CTAs see them.
 struct CommunicationPlan {
   sched::ForwardTaskShape shape;  // routed_m_blocks, unit_blocks
+  bool replay = false;            // the pulls count replay_rows_ready instead of rows_ready
   int32_t comm_ctas;
   bool push_combine;
   uint32_t second_tiles_per_block;  // rows_done[j] reaches this times the unit's m-blocks
@@ -172,7 +181,7 @@ __device__ __forceinline__ void run_communication(const layout::WorkspacePointer
     __syncthreads();  // this CTA's share of unit j has landed
     if (threadIdx.x == 0) {
       kernels::ptx::fence_proxy_async_global();
-      flags::red_release_gpu_add(counters.rows_ready(j), 1u);
+      flags::red_release_gpu_add(plan.replay ? counters.replay_rows_ready(j) : counters.rows_ready(j), 1u);
     }
     if (!plan.push_combine) continue;
     // Push what is finished already; pulling the next unit comes first otherwise.

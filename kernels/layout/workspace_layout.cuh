@@ -70,6 +70,8 @@ enum class WaitId : int32_t {
   kFusedActGradDone = 10,       // backward compute CTA: every d_a tile of an m-block stored
   kFusedBackwardRowsDone = 11,  // backward communication CTA: every d_x tile of a minibatch, before its push
   kFusedGridStep = 12,          // fused forward: a grid-wide step (`peer` is the FusedGridStep)
+  kFusedReplayRowsReady = 13,   // fused backward, macrobatch ring: a minibatch's x rows pulled again
+  kFusedReplayDone = 14,        // fused backward, macrobatch ring: every replayed gate/up tile of an m-block
 };
 
 // The fused kernels' GPU-scope counters (local region, zeroed before every launch), in uint32
@@ -169,9 +171,10 @@ struct WorkspaceLayout {
   int64_t loc_shared_u = 0;    // bf16 [token_capacity][Is]
   int64_t loc_shared_act = 0;  // bf16 [token_capacity][Is]
   int64_t loc_shared_y = 0;    // bf16 [token_capacity][H]    (0 bytes when Is = 0)
-  // fused kernels only: uint32 [kFusedHeaderWords + 3 * max_m_blocks + token_blocks], max_m_blocks =
+  // fused kernels only: uint32 [kFusedHeaderWords + 5 * max_m_blocks + token_blocks], max_m_blocks =
   // rows_capacity / 128, token_blocks = token_capacity / 128: rows_ready and rows_done per minibatch (at
-  // most one per m-block), then first_done (gate/up; d_a) per shared and per routed m-block
+  // most one per m-block), then first_done (gate/up; d_a) per shared and per routed m-block, then the
+  // backward's replay (macrobatch ring): replay_rows_ready per minibatch, replay_done per m-block
   int64_t loc_fused_counters = 0;
   int64_t fused_counter_words = 0;
   // backward only (nothing here is forward context)
@@ -245,7 +248,7 @@ struct WorkspaceLayout {
     l.loc_shared_u = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_act = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_y = carve(Is > 0 ? l.token_capacity * H * kBf16Bytes : 0);
-    l.fused_counter_words = kFusedHeaderWords + 3 * (l.rows_capacity / kBlockM) + l.token_capacity / kBlockM;
+    l.fused_counter_words = kFusedHeaderWords + 5 * (l.rows_capacity / kBlockM) + l.token_capacity / kBlockM;
     l.loc_fused_counters = carve(l.fused_counter_words * 4);
     l.loc_dy_rows = carve(M * H * kBf16Bytes);
     l.loc_d_gu_rows = carve(M * 2 * I * kBf16Bytes);

@@ -6,15 +6,20 @@
 // (d_g, d_u), the second is d_x = [d_g, d_u] . [w_gate; w_up]. Then the weight gradients, one reduction tile
 // at a time (each over its expert's whole row segment, as the standalone weight-gradient GEMM computes it):
 //
+//   R(0), R(1), ...          (macrobatch ring only: the forward's gate/up tiles replayed for this
+//                             macrobatch's rows, unit by unit, m fastest; none for the resident one)
 //   SA(0), SA(1), SX(0), ... (shared expert, no transfer: covers the first pull)
 //   A(0), A(1), X(0), A(2), X(1), ..., X(U-1)                       (routed units)
 //   W shared down, gate, up; W routed down (every expert), gate, up (weight gradients)
 //
 // Dependencies (GPU-scope counters, kernels/fused/fused_common.cuh):
+//   R of routed unit j      <- replay_rows_ready[j]        (its x rows pulled again, replay only)
 //   A of routed unit j      <- rows_ready[j]               (its dy rows pulled by every communication CTA)
+//                              replay_done[m] per m-block  (g, u replayed, replay only)
 //   X of m-block m          <- first_done[m]               (every d_a tile of m stored)
 //   push of routed unit j   <- rows_done[j]                (every d_x tile of j stored; push combine only)
-//   W down of expert e      <- rows_ready of e's units     (dy rows; act is the forward's)
+//   W down of expert e      <- rows_ready of e's units     (dy rows; act is the forward's), with a replay
+//                              first_done of e's m-blocks  (which waited for the replayed g, u and act)
 //   W gate/up of expert e   <- first_done of e's m-blocks  (d_g, d_u)
 //   shared W gate/up        <- first_done of the shared m-blocks; shared W down needs nothing
 // Every wait is on a smaller ticket or on the communication CTAs, as in the forward: no cycle. The weight
@@ -42,6 +47,7 @@ enum class BackwardTaskKind : int32_t {
   kActGrad,         // d_a tile of routed rows
   kDataGrad,        // d_x tile of routed rows
   kWeightGrad,      // one output tile of one expert's weight gradient
+  kReplayGateUp,    // the forward's gate/up tile of routed rows, replayed (macrobatch ring)
 };
 
 struct BackwardTask {
@@ -64,13 +70,17 @@ struct WeightGradTiles {
 struct BackwardTaskShape {
   ForwardTaskShape data;  // first GEMM = d_a (gate_up_n: its n-blocks), second = d_x (down_n)
   WeightGradTiles weight[kNumWeightGrads];
+  int32_t replay_m_blocks = 0;  // 0, or data.routed_m_blocks when this macrobatch's rows are replayed
+  int32_t replay_n = 0;         // n-blocks of the forward's gate/up
 
+  // Replay tiles of routed unit j: its m-blocks times the gate/up n-blocks; units are data.unit_blocks long.
+  POUNCE_HOST_DEVICE int32_t replay_tiles() const { return replay_m_blocks * replay_n; }
   POUNCE_HOST_DEVICE int32_t data_tiles() const {
     return data.shared_m_blocks * (data.shared_gate_up_n + data.shared_down_n) +
            data.routed_m_blocks * (data.gate_up_n + data.down_n);
   }
   POUNCE_HOST_DEVICE int32_t num_tiles() const {
-    int32_t total = data_tiles();
+    int32_t total = replay_tiles() + data_tiles();
     for (int w = 0; w < kNumWeightGrads; ++w) total += weight[w].count();
     return total;
   }
@@ -80,12 +90,28 @@ struct BackwardTaskShape {
 class BackwardTaskCursor {
  public:
   POUNCE_HOST_DEVICE explicit BackwardTaskCursor(const BackwardTaskShape& shape)
-      : shape_(shape), data_(shape.data), data_tiles_(shape.data_tiles()) {}
+      : shape_(shape),
+        data_(shape.data),
+        replay_tiles_(shape.replay_tiles()),
+        data_tiles_(shape.data_tiles()) {}
 
   // The task holding `ticket`; false past the end of the list.
   POUNCE_HOST_DEVICE bool at(int32_t ticket, BackwardTask& task) {
     task.group = 0;
     task.weight = WeightGradKind::kSharedDown;
+    if (ticket < replay_tiles_) {  // unit-major, m fastest inside a unit (only the last unit may be short)
+      const int32_t unit_tiles = shape_.data.unit_blocks * shape_.replay_n;
+      task.kind = BackwardTaskKind::kReplayGateUp;
+      task.unit = ticket / unit_tiles;
+      const int32_t within = ticket - task.unit * unit_tiles;
+      const int32_t first = task.unit * shape_.data.unit_blocks;
+      const int32_t blocks =
+          static_cast<int32_t>(layout::min_i64(shape_.data.unit_blocks, shape_.replay_m_blocks - first));
+      task.m_block = first + within % blocks;
+      task.n_block = within / blocks;
+      return true;
+    }
+    ticket -= replay_tiles_;
     if (ticket < data_tiles_) {
       Task t;
       if (!data_.at(ticket, t)) return false;  // unreachable: data_tiles_ counts exactly these
@@ -134,6 +160,7 @@ class BackwardTaskCursor {
  private:
   BackwardTaskShape shape_;
   ForwardTaskCursor data_;
+  int32_t replay_tiles_;
   int32_t data_tiles_;
 };
 

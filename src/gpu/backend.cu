@@ -426,6 +426,10 @@ const char* wait_name(layout::WaitId id) {
     case layout::WaitId::kFusedGridStep:
       return "fused forward: a grid-wide step (index 0 routing, 1 schedule count, 2 schedule placed, 3 "
              "finished)";
+    case layout::WaitId::kFusedReplayRowsReady:
+      return "fused backward: minibatch x rows pulled again (macrobatch replay)";
+    case layout::WaitId::kFusedReplayDone:
+      return "fused backward: replayed gate/up tiles of an m-block";
     case layout::WaitId::kNone:
       break;
   }

@@ -2,9 +2,10 @@
 // router gradient, inputs barrier), then ONE persistent kernel for the reverse-combine pull, the shared
 // expert's backward, d_a + activation backward, d_x, the reverse-dispatch push and every weight gradient
 // (kernels/fused/fused_backward.cuh), then the combine barrier and the d_x sum. With a macrobatch ring, one
-// launch per possible macrobatch, last first, each after the forward replay of its rows
-// (src/gpu/staged_backward.cu). Stream-ordered, nothing allocated, no routing count read on the host:
-// capturable like the staged chain.
+// launch per possible macrobatch, last first; each replays its macrobatch's forward rows inside (pull x,
+// gate/up + activation ahead of the backward tiles) unless it is the resident last one, and the staged
+// replay kernels restore that one at the end. Stream-ordered, nothing allocated, no routing count read on the
+// host: capturable like the staged chain.
 //
 // The communication CTAs and the combine (push or scatter) follow the fused forward's heuristic
 // (src/gpu/fused_forward.cu): the d_x GEMM (N = H, K = 2I) stands where the down GEMM (N = H, K = I) stands
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "kernels/fused/fused_backward.cuh"
+#include "kernels/gemm/gemm_operands.h"
 #include "src/gpu/gpu_state.h"
 #include "src/gpu/mlp_backward.h"
 #include "src/gpu/stage_timer.h"
@@ -104,6 +106,14 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
     if (b != p.max_macrobatches - 1) params.ws.shared_intermediate = 0;  // the shared expert runs once
     params.shared_act_grad = shared.act_grad;
     params.shared_data_grad = shared.data_grad;
+    if (p.has_ring()) {  // this macrobatch's forward rows, replayed inside the kernel where due
+      params.replay_gate_up = kernels::gate_up_operands(
+          kernels::GroupedRows{mb.rows_capacity, mb.group_row_offset, mb.num_local_experts, 0}, mb.x_rows,
+          args.inputs.routed.gate.data, args.inputs.routed.up.data, mb.g_rows, mb.u_rows, mb.act_rows, I, H,
+          activation);
+      params.replay_gate_up.args.error_flag = gemm_error;
+      params.replay_row_offset = p.macrobatch(b, layout::MacrobatchRows::kReplay).group_row_offset;
+    }
     params.act_grad = routed.act_grad;
     params.data_grad = routed.data_grad;
     using sched::WeightGradKind;
@@ -124,11 +134,6 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
 
   const BackwardLaunch launch = launch_backward_prologue(workspace, args, timer, stream);
   for (size_t i = 0; i < launches.size(); ++i) {
-    const int32_t b = p.max_macrobatches - 1 - static_cast<int32_t>(i);
-    // Only the last macrobatch's forward rows are resident: the others' are replayed first.
-    if (p.has_ring())
-      launch_forward_replay(workspace, args, activation, p.macrobatch(b, layout::MacrobatchRows::kReplay),
-                            stream);
     // Counters start at zero every launch (a memset node in a captured graph).
     POUNCE_CUDA(cudaMemsetAsync(p.fused_counters, 0, workspace.layout.fused_counter_words * sizeof(uint32_t),
                                 stream));

@@ -141,7 +141,8 @@ void launch_backward_epilogue(GpuWorkspace& workspace, const BackwardArgs& args,
 
 // With a macrobatch ring: macrobatch b's x, g, u and act rows again (pull x, gate/up + activation), bitwise
 // the forward's, on `replay` = pointers().macrobatch(b, MacrobatchRows::kReplay or kRestore), which shows
-// rows only where that replay is due (src/gpu/staged_backward.cu; both backward paths).
+// rows only where that replay is due (src/gpu/staged_backward.cu: the staged backward's replay and both
+// paths' restore; the fused backward replays inside its kernel).
 void launch_forward_replay(GpuWorkspace& workspace, const BackwardArgs& args,
                            const kernels::ActivationParams& activation,
                            const layout::WorkspacePointers& replay, cudaStream_t stream);

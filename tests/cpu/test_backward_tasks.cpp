@@ -27,7 +27,8 @@ std::vector<BackwardTask> walk(const BackwardTaskShape& shape) {
 }
 
 bool is_data(BackwardTaskKind kind) {
-  return kind != BackwardTaskKind::kWeightGrad && kind != BackwardTaskKind::kEnd;
+  return kind != BackwardTaskKind::kWeightGrad && kind != BackwardTaskKind::kEnd &&
+         kind != BackwardTaskKind::kReplayGateUp;
 }
 bool is_act_grad(BackwardTaskKind kind) {
   return kind == BackwardTaskKind::kActGrad || kind == BackwardTaskKind::kSharedActGrad;
@@ -42,10 +43,23 @@ void check_shape(const BackwardTaskShape& shape) {
   const auto& d = shape.data;
   std::map<std::tuple<bool, bool, int32_t, int32_t>, size_t> data_ticket;
   std::set<std::tuple<int, int32_t, int32_t, int32_t>> weight_tiles;
-  size_t last_data = 0, first_weight = tasks.size();
+  std::map<std::pair<int32_t, int32_t>, size_t> replay_ticket;
+  size_t last_data = 0, first_weight = tasks.size(), first_data = tasks.size(), last_replay = 0;
   for (size_t t = 0; t < tasks.size(); ++t) {
     const BackwardTask& task = tasks[t];
     ASSERT_NE(task.kind, BackwardTaskKind::kEnd);
+    if (task.kind == BackwardTaskKind::kReplayGateUp) {
+      last_replay = t;
+      ASSERT_GE(task.m_block, 0);
+      ASSERT_LT(task.m_block, shape.replay_m_blocks) << "ticket " << t;
+      ASSERT_GE(task.n_block, 0);
+      ASSERT_LT(task.n_block, shape.replay_n) << "ticket " << t;
+      ASSERT_EQ(task.unit, task.m_block / d.unit_blocks) << "ticket " << t;
+      ASSERT_TRUE(replay_ticket.emplace(std::make_pair(task.m_block, task.n_block), t).second)
+          << "replay tile handed out twice, ticket " << t;
+      continue;
+    }
+    if (is_data(task.kind)) first_data = std::min(first_data, t);
     if (is_data(task.kind)) {
       last_data = t;
       const bool shared = is_shared(task.kind), act = is_act_grad(task.kind);
@@ -78,6 +92,10 @@ void check_shape(const BackwardTaskShape& shape) {
         << "weight tile handed out twice, ticket " << t;
   }
   EXPECT_EQ(static_cast<int32_t>(data_ticket.size()), shape.data_tiles());
+  EXPECT_EQ(static_cast<int32_t>(replay_ticket.size()), shape.replay_tiles());
+  if (!replay_ticket.empty()) {  // the replay comes first: every other tile may wait on it
+    EXPECT_LT(last_replay, std::min(first_data, first_weight)) << "a replay tile after a backward tile";
+  }
   if (!data_ticket.empty() && first_weight < tasks.size()) {
     EXPECT_LT(last_data, first_weight) << "a weight-gradient tile before the last data tile";
   }
@@ -131,6 +149,25 @@ TEST(BackwardTasks, SharedAndRoutedShapes) {
   check_shape(make_shape({0, 17, 8, 0, 0, 3, 2}, 8, false, 2, 3));
   check_shape(make_shape({64, 512, 8, 8, 28, 8, 28}, 32, true, 56, 16));  // deepseek-like
   check_shape(make_shape({1, 1, 1, 1, 1, 1, 1}, 1, true, 1, 1));
+}
+
+// Macrobatch ring: the forward's gate/up tiles of the macrobatch's rows are replayed ahead of the backward,
+// unit by unit (a d_a tile waits for its m-block's replay, the replay for its unit's x rows).
+TEST(BackwardTasks, ReplayTilesComeFirst) {
+  std::mt19937 gen(13);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); };
+  for (int i = 0; i < 100; ++i) {
+    const bool shared = pick(0, 1) == 1;
+    const pounce::sched::ForwardTaskShape data{
+        shared ? pick(0, 20) : 0, pick(1, 60), pick(1, 12), shared ? pick(1, 5) : 0,
+        shared ? pick(1, 5) : 0,  pick(1, 5),  pick(1, 5)};
+    BackwardTaskShape shape = make_shape(data, pick(1, 9), shared, pick(1, 4), pick(1, 4));
+    shape.replay_m_blocks = data.routed_m_blocks;
+    shape.replay_n = pick(1, 6);
+    SCOPED_TRACE(::testing::Message() << "shape " << i);
+    check_shape(shape);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
 }
 
 TEST(BackwardTasks, RandomShapes) {
