@@ -749,6 +749,19 @@ TEST(Macrobatches, RingEqualsWorstCaseBitwise) {
   }
 }
 
+// The same small case with the smallest macrobatch ring (256 rows: four macrobatches of two experts), so the
+// sanitizers also see the macrobatch plan, the per-macrobatch launches and the fused backward's replay.
+TEST(FusedBackward, OneRankSmallRing) {
+  SKIP_UNLESS_GPUS(1);
+  const Model m =
+      make_model(make_shape(192, 256, 128, 8, 2, 128, 1), clamped(pounce::Activation::swiglu(), 1.5f), 151);
+  pounce::Config config;
+  config.kernel_path = config.backward_kernel_path = pounce::KernelPath::kFused;
+  config.minibatch_size = pounce::kBlockM;
+  config.macrobatch_size = 2 * pounce::kBlockM;
+  run_and_check(m, {{{192}, Routing::kRandom, false, 152}}, false, "fused backward, one rank, ring", config);
+}
+
 // The forward reports the bad id and skips that slot; backward then runs like the reference with -1 there,
 // writes nothing out of bounds, and the next call is clean.
 TEST(StagedBackward, OutOfRangeExpertIdIsSkippedAndReported) {
