@@ -31,15 +31,16 @@ __device__ __forceinline__ T* slot_row(const layout::WorkspacePointers& ws, int6
 
 // One schedule row of `rows` ([rows_capacity][H] expert-grouped), by one warp, into its owner's slot
 // (forward: y_rows into sym_y_slots; backward's reverse-dispatch: dx_rows into sym_dx_slots). Padding rows go
-// nowhere.
+// nowhere. `ring_first`: the schedule row that rows[0] holds (a macrobatch ring's first row; 0 without).
 template <int kDepth = 4>
 __device__ __forceinline__ void push_row(const layout::WorkspacePointers& ws, const void* rows,
-                                         int64_t sym_slots, int64_t row) {
+                                         int64_t sym_slots, int64_t row, int64_t ring_first = 0) {
   const layout::ScheduleEntry entry = ws.schedule[row];
   if (entry.src_rank < 0) return;
   const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
   dispatch::warp_copy_16b<kDepth>(slot_row<int4>(ws, sym_slots, entry),
-                                  static_cast<const int4*>(rows) + row * row_vectors, row_vectors);
+                                  static_cast<const int4*>(rows) + (row - ring_first) * row_vectors,
+                                  row_vectors);
 }
 
 // Rows of local experts [expert_begin, expert_end) only (a pipeline chunk).

@@ -64,10 +64,12 @@ __device__ __forceinline__ void stage_x(const layout::WorkspacePointers& ws, con
 }
 
 // One receive-schedule row, by one warp: x_rows[row] = peer(src_rank).sym_x[src_token], zeros for padding.
+// `ring_first`: the schedule row that x_rows[0] holds (a macrobatch ring's first row; 0 without a ring).
 template <int kDepth = 4>
-__device__ __forceinline__ void pull_row(const layout::WorkspacePointers& ws, int64_t row) {
+__device__ __forceinline__ void pull_row(const layout::WorkspacePointers& ws, int64_t row,
+                                         int64_t ring_first = 0) {
   const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
-  int4* dst = static_cast<int4*>(ws.x_rows) + row * row_vectors;
+  int4* dst = static_cast<int4*>(ws.x_rows) + (row - ring_first) * row_vectors;
   const layout::ScheduleEntry entry = ws.schedule[row];
   if (entry.src_rank < 0) {
     warp_zero_16b(dst, row_vectors);

@@ -59,6 +59,11 @@ struct FusedCounters {
   __device__ uint32_t* replay_done(int32_t m_block) const {
     return base + layout::kFusedHeaderWords + 4 * max_m_blocks + token_blocks + m_block;
   }
+  // The fused forward over a macrobatch ring: macrobatch b's ring rows may be overwritten (every down tile
+  // stored and, with the push combine, every row pushed).
+  __device__ uint32_t* ring_free(int32_t b) const {
+    return base + layout::kFusedHeaderWords + 5 * max_m_blocks + token_blocks + b;
+  }
 };
 
 __device__ __forceinline__ FusedCounters counters_of(const layout::WorkspacePointers& ws) {

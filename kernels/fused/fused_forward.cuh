@@ -20,6 +20,9 @@
 //       src_token, slot) over NVLink: no copy pass, y_rows not written (backward never reads it), and few
 //       communication CTAs suffice.
 //     Both deliver the same values to the same slots.
+// With a macrobatch ring (kRing) the same kernel walks the macrobatches: tasks and communication units in
+// macrobatch order, rows in the ring, plus the ring-reuse waits of ForwardScheduler and
+// run_ring_communication (docs/design.md, "Macrobatch ring").
 // Every handoff is a named release/acquire pair at GPU scope (flags.cuh); TMA reads rows another CTA wrote,
 // so the reader also orders its acquire before its async-proxy loads (fence.proxy.async.global). Every wait
 // is bounded and aborts when another CTA failed. Tiles are computed exactly as by the standalone GEMMs
@@ -28,10 +31,13 @@
 
 #include <cuda.h>
 
+#include <type_traits>
+
 #include "kernels/dispatch/dispatch.cuh"
 #include "kernels/fused/fused_common.cuh"
 #include "kernels/fused/grid_steps.cuh"
 #include "kernels/sched/forward_tasks.cuh"
+#include "kernels/sched/macrobatch_tasks.cuh"
 
 namespace pounce::fused {
 
@@ -81,21 +87,69 @@ __device__ __forceinline__ sched::ForwardTaskShape task_shape_of(const FusedForw
   return shape;
 }
 
+// The schedule block and macrobatch of a task: a routed task of the ring names its ring block in m_block and
+// its schedule block beside it (sched/macrobatch_tasks.cuh); without a ring they are the same.
+__device__ __forceinline__ int32_t schedule_block_of(const Task& task) {
+  return task.m_block;
+}
+__device__ __forceinline__ int32_t schedule_block_of(const sched::MacrobatchTask& task) {
+  return task.schedule_block;
+}
+__device__ __forceinline__ int32_t macrobatch_of(const Task&) {
+  return 0;
+}
+__device__ __forceinline__ int32_t macrobatch_of(const sched::MacrobatchTask& task) {
+  return task.macrobatch;
+}
+
+// kRing: the workspace's routed rows are a macrobatch ring (WorkspacePointers::has_ring); its plan (B and the
+// bounds) was written in the scan's grid step.
+__device__ __forceinline__ int32_t ring_macrobatches(const layout::WorkspacePointers& ws) {
+  return ws.macrobatch_plan[0];
+}
+__device__ __forceinline__ const int32_t* ring_bounds(const layout::WorkspacePointers& ws) {
+  return ws.macrobatch_plan + 1;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Compute CTA
 // ---------------------------------------------------------------------------------------------------
 // Producer thread, first: ticket -> task -> its inputs ready (kEnd past the list, on a failure or an abort).
+// kRing: the list walks the macrobatches (sched/macrobatch_tasks.cuh) and a routed tile of macrobatch b >= 1
+// also waits until macrobatch b - 1's ring rows are free (ring_free: its down tiles stored and, with the push
+// combine, its rows pushed); that is on tiles with smaller tickets or on the communication CTAs, which push
+// b - 1 before they wait for anything of b (run_ring_communication), so no cycle.
+template <bool kRing>
 struct ForwardScheduler {
+  using TaskT = std::conditional_t<kRing, sched::MacrobatchTask, Task>;
+  using Cursor = std::conditional_t<kRing, sched::MacrobatchTaskCursor, sched::ForwardTaskCursor>;
   const FusedForwardParams& p;
   sched::ForwardTaskShape shape;
-  sched::ForwardTaskCursor cursor;
+  Cursor cursor;
+  int32_t ring_checked = 0;  // kRing: the ring was found free for the macrobatches up to this one
 
   __device__ explicit ForwardScheduler(const FusedForwardParams& params)
-      : p(params), shape(task_shape_of(params)), cursor(shape) {}
+      : p(params), shape(task_shape_of(params)), cursor(make_cursor(params, shape)) {}
 
-  __device__ void operator()(Task& task) {
+  static __device__ Cursor make_cursor(const FusedForwardParams& params,
+                                       const sched::ForwardTaskShape& shape) {
+    if constexpr (kRing) {
+      return Cursor(sched::MacrobatchTaskShape{shape, ring_bounds(params.ws), ring_macrobatches(params.ws)});
+    } else {
+      return Cursor(shape);
+    }
+  }
+
+  // What ring_free[b] reaches once macrobatch b's ring rows may be overwritten.
+  __device__ uint32_t ring_free_expected(int32_t b) const {
+    if (p.push_combine) return static_cast<uint32_t>(p.comm_ctas);
+    const int32_t* bounds = ring_bounds(p.ws);
+    return 2u * shape.down_n * static_cast<uint32_t>((bounds[b + 1] - bounds[b]) / GemmConfig::BLOCK_M);
+  }
+
+  __device__ void operator()(TaskT& task) {
     const FusedCounters counters = counters_of(p.ws);
-    task = Task{TaskKind::kEnd, 0, 0, 0};
+    task = TaskT{};  // kEnd
     // After a failure anywhere, no new tile (tiles without inputs to wait on would never notice).
     if (aborted(p.ws)) return;
     const int32_t ticket = static_cast<int32_t>(atomicAdd(counters.ticket(), 1u));
@@ -107,20 +161,30 @@ struct ForwardScheduler {
     } else if (task.kind == TaskKind::kDown || task.kind == TaskKind::kSharedDown) {
       const bool shared = task.kind == TaskKind::kSharedDown;
       const uint32_t expected = 2u * (shared ? shape.shared_gate_up_n : shape.gate_up_n);
-      ready = wait_count(p.ws, counters.first_done(shared, task.m_block), expected,
-                         layout::WaitId::kFusedGateUpDone, task.m_block);
+      ready = wait_count(p.ws, counters.first_done(shared, schedule_block_of(task)), expected,
+                         layout::WaitId::kFusedGateUpDone, schedule_block_of(task));
+    }
+    if constexpr (kRing) {
+      const bool routed = task.kind == TaskKind::kGateUp || task.kind == TaskKind::kDown;
+      if (ready && routed && task.macrobatch > ring_checked) {
+        const int32_t previous = task.macrobatch - 1;
+        ready = wait_count(p.ws, counters.ring_free(previous), ring_free_expected(previous),
+                           layout::WaitId::kFusedRingFree, previous);
+        if (ready) ring_checked = task.macrobatch;
+      }
     }
     if (!ready) task.kind = TaskKind::kEnd;
   }
 };
 
 // Producer thread, then: the task's stages into the ring.
+template <typename TaskT>
 __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss,
                                              kernels::gemm::RingPosition& ring, const FusedForwardMaps& maps,
-                                             const FusedForwardParams& p, const Task& task) {
+                                             const FusedForwardParams& p, const TaskT& task) {
   const bool routed = task.kind == TaskKind::kGateUp || task.kind == TaskKind::kDown;
   const kernels::gemm::Tile tile{task.m_block, task.n_block,
-                                 routed ? expert_of_block(p.ws, task.m_block) : 0};
+                                 routed ? expert_of_block(p.ws, schedule_block_of(task)) : 0};
   switch (task.kind) {
     case TaskKind::kSharedGateUp:
       return kernels::gemm::produce_tile<kGateUpGemm>(ss, ring, maps.sym_x, maps.shared_gate, maps.shared_up,
@@ -141,10 +205,12 @@ __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss,
   return true;
 }
 
-// Consumer warpgroup, one task: mainloop + epilogue; `done` is the tile's counter, if any.
+// Consumer warpgroup, one task: mainloop + epilogue; `done` is the tile's counter, if any. A routed tile
+// stores into its ring rows (m_block) and counts by its schedule block.
+template <typename TaskT>
 __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
                                              kernels::gemm::RingPosition& ring, const FusedForwardParams& p,
-                                             const Task& task, int consumer_idx, float (&acc)[128],
+                                             const TaskT& task, int consumer_idx, float (&acc)[128],
                                              uint32_t*& done) {
   const FusedCounters counters = counters_of(p.ws);
   const kernels::gemm::Tile tile{task.m_block, task.n_block, 0};
@@ -157,7 +223,7 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
       return kernels::gemm::consume_tile<kDownGemm>(ss, ring, p.shared_down, tile, 0, k_blocks(p.shared_down),
                                                     consumer_idx, acc);
     case TaskKind::kGateUp:
-      done = counters.first_done(false, task.m_block);
+      done = counters.first_done(false, schedule_block_of(task));
       return kernels::gemm::consume_tile<kGateUpGemm>(ss, ring, p.gate_up, tile, 0, k_blocks(p.gate_up),
                                                       consumer_idx, acc);
     case TaskKind::kDown:
@@ -167,7 +233,9 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
         kernels::gemm::store_tile<kDownGemm>(acc, p.down, tile, true, consumer_idx);
         done = counters.rows_done(task.unit);
       } else {
-        store_tile_to_slots(acc, p.ws, p.ws.sym_y_slots, p.down.n, task.m_block, task.n_block, consumer_idx);
+        store_tile_to_slots(acc, p.ws, p.ws.sym_y_slots, p.down.n, schedule_block_of(task), task.n_block,
+                            consumer_idx);
+        if constexpr (!std::is_same_v<TaskT, Task>) done = counters.ring_free(macrobatch_of(task));
       }
       return true;
     case TaskKind::kEnd:
@@ -176,17 +244,105 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
   return true;
 }
 
-// Launched cooperatively (grid_steps.cuh needs every CTA resident), one CTA per SM.
-// kWholePass: the whole pass as described above. Otherwise one macrobatch of a workspace with a ring
-// (params.ws = WorkspacePointers::macrobatch(b)): its tiles and transfers only; the prologue, the macrobatch
-// plan, the combine barrier and the weighted sum are kernels around the launches (src/gpu/fused_forward.cu).
-template <bool kWholePass>
+// ---------------------------------------------------------------------------------------------------
+// Communication CTA over a macrobatch ring (kRing)
+// ---------------------------------------------------------------------------------------------------
+// run_communication's walk (fused_common.cuh) over the units of every macrobatch in order, units numbered
+// across macrobatches, rows pulled into and pushed from the ring (ring row = schedule row - bounds[b]).
+// Before pulling macrobatch b >= 1 the CTA pushes every unit of b - 2 (push combine; what b - 1's tiles wait
+// for) and waits until every gate/up tile of b - 1 is stored (b - 1's x rows are read). After its share of a
+// macrobatch's last unit is pushed it counts ring_free[b] (push combine; the down tiles count it otherwise).
+template <typename PullRow, typename PushRow>
+__device__ __forceinline__ void run_ring_communication(const layout::WorkspacePointers& ws, int32_t& go,
+                                                       const CommunicationPlan& plan, int32_t comm_idx,
+                                                       PullRow&& pull_row, PushRow&& push_row) {
+  const FusedCounters counters = counters_of(ws);
+  const sched::ForwardTaskShape& shape = plan.shape;
+  const int32_t* bounds = ring_bounds(ws);
+  const int32_t num_macrobatches = ring_macrobatches(ws);
+  const int32_t unit_rows = shape.unit_blocks * GemmConfig::BLOCK_M;
+  const int64_t warp = static_cast<int64_t>(comm_idx) * kWarps + threadIdx.x / 32;
+  const int64_t num_warps = static_cast<int64_t>(plan.comm_ctas) * kWarps;
+  auto units_of = [&](int32_t b) { return (bounds[b + 1] - bounds[b] + unit_rows - 1) / unit_rows; };
+  // Unit u of macrobatch b: this CTA's rows of it, ring_first = bounds[b].
+  auto for_my_rows = [&](int32_t b, int32_t u, auto&& body) {
+    const int64_t first = bounds[b] + static_cast<int64_t>(u) * unit_rows;
+    const int64_t end = min(first + unit_rows, static_cast<int64_t>(bounds[b + 1]));
+    for (int64_t row = first + warp; row < end; row += num_warps) body(row, static_cast<int64_t>(bounds[b]));
+  };
+
+  // Pushes, in unit order: the next one is unit push_u of macrobatch push_b, global unit next_push.
+  int32_t push_b = 0, push_u = 0, next_push = 0;
+  auto push_next = [&](bool block) {
+    bool ready = false;
+    if (threadIdx.x == 0) {
+      const int32_t first = bounds[push_b] + push_u * unit_rows;
+      const int32_t blocks = (min(first + unit_rows, bounds[push_b + 1]) - first) / GemmConfig::BLOCK_M;
+      const uint32_t expected = plan.second_tiles_per_block * static_cast<uint32_t>(blocks);
+      const uint32_t* done = counters.rows_done(next_push);
+      ready = block ? wait_count(ws, done, expected, plan.rows_done_wait, next_push)
+                    : flags::ld_acquire_gpu(done) >= expected;
+    }
+    if (!cta_broadcast(go, ready)) return false;
+    for_my_rows(push_b, push_u, push_row);
+    ++next_push;
+    if (++push_u == units_of(push_b)) {
+      __syncthreads();  // every warp's copies out of b's y rows are done
+      if (threadIdx.x == 0) flags::red_release_gpu_add(counters.ring_free(push_b), 1u);
+      push_u = 0;
+      ++push_b;
+    }
+    return true;
+  };
+
+  int32_t j = 0;  // global unit
+  for (int32_t b = 0; b < num_macrobatches; ++b) {
+    if (b >= 1) {
+      if (plan.push_combine) {
+        while (push_b < b - 1) {
+          if (!push_next(/*block=*/true)) return;
+        }
+      }
+      bool free = true;
+      if (threadIdx.x == 0) {
+        const uint32_t expected = 2u * shape.gate_up_n;
+        for (int32_t m = bounds[b - 1] / GemmConfig::BLOCK_M; free && m < bounds[b] / GemmConfig::BLOCK_M;
+             ++m)
+          free = wait_count(ws, counters.first_done(false, m), expected, layout::WaitId::kFusedGateUpDone, m);
+      }
+      if (!cta_broadcast(go, free)) return;
+    }
+    for (int32_t u = 0; u < units_of(b); ++u, ++j) {
+      for_my_rows(b, u, pull_row);
+      __syncthreads();  // this CTA's share of unit j has landed
+      if (threadIdx.x == 0) {
+        kernels::ptx::fence_proxy_async_global();
+        flags::red_release_gpu_add(counters.rows_ready(j), 1u);
+      }
+      if (plan.push_combine) {
+        while (next_push <= j && push_next(/*block=*/false)) {
+        }
+      }
+      if (cta_broadcast(go, threadIdx.x == 0 && aborted(ws))) return;
+    }
+  }
+  if (!plan.push_combine) return;
+  while (push_b < num_macrobatches) {
+    if (!push_next(/*block=*/true)) return;
+  }
+}
+
+// Launched cooperatively (grid_steps.cuh needs every CTA resident), one CTA per SM. kRing: the workspace's
+// routed rows are a macrobatch ring; the kernel walks its macrobatches (the scan's step plans them).
+template <bool kRing>
 __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     fused_forward_kernel(const __grid_constant__ FusedForwardMaps maps,
                          const __grid_constant__ FusedForwardParams params) {
+  using Scheduler = ForwardScheduler<kRing>;
+  using TaskT = typename Scheduler::TaskT;
   kernels::gemm::SharedStorage& ss = stage_storage();
-  __shared__ TaskSlots<Task> slots;
-  __shared__ SchedulerStorage<ForwardScheduler> scheduler;
+  __shared__ TaskSlots<TaskT> slots;
+  __shared__ SchedulerStorage<Scheduler> scheduler;
   const layout::WorkspacePointers& ws = params.ws;
 
   // Prologue scratch in the stage ring: the per-warp counters from its start, the scan's at its end.
@@ -195,29 +351,33 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       "the scan keeps one int32 per thread of whole warps");
   auto* scan_scratch = reinterpret_cast<routing::ScanScratch*>(
       reinterpret_cast<char*>(ss.stages) + sizeof(ss.stages) - sizeof(routing::ScanScratch));
-  if constexpr (kWholePass) {
-    if (!run_forward_prologue(ws, params.in, reinterpret_cast<int32_t*>(ss.stages), *scan_scratch, slots.go))
-      return;
-  }
+  if (!run_forward_prologue<kRing>(ws, params.in, reinterpret_cast<int32_t*>(ss.stages), *scan_scratch,
+                                   slots.go))
+    return;
   const int32_t role = start_cta(ws, params.comm_ctas, ss, slots);
   const int warpgroup = threadIdx.x / 128;
   if (role < params.comm_ctas) {
-    if constexpr (kWholePass) {
-      if (!wait_schedule_placed(ws, slots.go)) return;
-    }
+    if (!wait_schedule_placed(ws, slots.go)) return;
     CommunicationPlan plan;
     plan.shape = task_shape_of(params);
     plan.comm_ctas = params.comm_ctas;
     plan.push_combine = params.push_combine;
     plan.second_tiles_per_block = 2u * plan.shape.down_n;
     plan.rows_done_wait = layout::WaitId::kFusedRowsDone;
-    run_communication(
-        ws, slots.go, plan, role, [&](int64_t row) { dispatch::pull_row<8>(ws, row); },
-        [&](int64_t row) { combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row); });
-    if constexpr (kWholePass) {
-      __syncthreads();  // every warp's pushes are issued before warpgroups 1 and 2 arrive for the CTA
-      if (warpgroup > 0) finish_forward(ws, warpgroup);
+    if constexpr (kRing) {
+      run_ring_communication(
+          ws, slots.go, plan, role,
+          [&](int64_t row, int64_t ring_first) { dispatch::pull_row<8>(ws, row, ring_first); },
+          [&](int64_t row, int64_t ring_first) {
+            combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row, ring_first);
+          });
+    } else {
+      run_communication(
+          ws, slots.go, plan, role, [&](int64_t row) { dispatch::pull_row<8>(ws, row); },
+          [&](int64_t row) { combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row); });
     }
+    __syncthreads();  // every warp's pushes are issued before warpgroups 1 and 2 arrive for the CTA
+    if (warpgroup > 0) finish_forward(ws, warpgroup);
     return;
   }
   if (threadIdx.x == 0) {
@@ -226,15 +386,13 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
   }
   run_compute_cta(
       ws, slots, scheduler, params,
-      [&](const Task& task, kernels::gemm::RingPosition& ring) {
+      [&](const TaskT& task, kernels::gemm::RingPosition& ring) {
         return produce_task(ss, ring, maps, params, task);
       },
-      [&](const Task& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done) {
+      [&](const TaskT& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done) {
         return consume_task(ss, ring, params, task, warpgroup - 1, acc, done);
       },
-      [&] {
-        if constexpr (kWholePass) finish_forward(ws, warpgroup);
-      });
+      [&] { finish_forward(ws, warpgroup); });
 }
 
 }  // namespace pounce::fused

@@ -35,6 +35,7 @@
 #include "kernels/fused/fused_common.cuh"
 #include "kernels/routing/routing_exchange.cuh"
 #include "kernels/routing/schedule.cuh"
+#include "kernels/sched/macrobatch_plan.cuh"
 
 namespace pounce::fused {
 
@@ -119,8 +120,10 @@ __device__ __forceinline__ bool cta_routing_barrier(const layout::WorkspacePoint
 
 // Every CTA, all threads, before the roles: stage x, exchange the routing, build the schedule. `scratch` is
 // shared memory for one [El] int32 counter array per warp and `scan_scratch` the scan's (both the stage
-// ring's, unused until the tiles start; they must not overlap).
+// ring's, unused until the tiles start; they must not overlap). kRing: the scan's step also plans the
+// macrobatches (their bounds, read by every CTA after the step).
 // False once any CTA failed.
+template <bool kRing>
 __device__ __forceinline__ bool run_forward_prologue(const layout::WorkspacePointers& ws,
                                                      const ForwardInputs& in, int32_t* scratch,
                                                      routing::ScanScratch& scan_scratch, int32_t& word) {
@@ -134,6 +137,11 @@ __device__ __forceinline__ bool run_forward_prologue(const layout::WorkspacePoin
   routing::for_each_schedule_chunk(ws, warp, num_warps, counters, routing::schedule_count_chunk);
   if (!cta_grid_step(ws, word, layout::kStepCounted, /*wait=*/true, [&] {
         routing::schedule_scan(ws, scan_scratch);
+        if constexpr (kRing) {
+          __syncthreads();  // group_row_offset written by the scan
+          if (threadIdx.x == 0)
+            ws.macrobatch_plan[0] = sched::plan_ring_bounds(ws, ws.macrobatch_plan + 1, true);
+        }
         return true;  // an overflow is recorded and clamped, as on the staged path
       }))
     return false;

@@ -72,6 +72,7 @@ enum class WaitId : int32_t {
   kFusedGridStep = 12,          // fused forward: a grid-wide step (`peer` is the FusedGridStep)
   kFusedReplayRowsReady = 13,   // fused backward, macrobatch ring: a minibatch's x rows pulled again
   kFusedReplayDone = 14,        // fused backward, macrobatch ring: every replayed gate/up tile of an m-block
+  kFusedRingFree = 15,          // fused forward, macrobatch ring: the previous macrobatch's ring rows free
 };
 
 // The fused kernels' GPU-scope counters (local region, zeroed before every launch), in uint32
@@ -174,7 +175,8 @@ struct WorkspaceLayout {
   // fused kernels only: uint32 [kFusedHeaderWords + 5 * max_m_blocks + token_blocks], max_m_blocks =
   // rows_capacity / 128, token_blocks = token_capacity / 128: rows_ready and rows_done per minibatch (at
   // most one per m-block), then first_done (gate/up; d_a) per shared and per routed m-block, then the
-  // backward's replay (macrobatch ring): replay_rows_ready per minibatch, replay_done per m-block
+  // backward's replay (macrobatch ring): replay_rows_ready per minibatch, replay_done per m-block, then the
+  // forward's ring_free per macrobatch (kernels/fused/fused_common.cuh)
   int64_t loc_fused_counters = 0;
   int64_t fused_counter_words = 0;
   // backward only (nothing here is forward context)
@@ -248,7 +250,8 @@ struct WorkspaceLayout {
     l.loc_shared_u = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_act = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_y = carve(Is > 0 ? l.token_capacity * H * kBf16Bytes : 0);
-    l.fused_counter_words = kFusedHeaderWords + 5 * (l.rows_capacity / kBlockM) + l.token_capacity / kBlockM;
+    l.fused_counter_words =
+        kFusedHeaderWords + 5 * (l.rows_capacity / kBlockM) + l.token_capacity / kBlockM + l.max_macrobatches;
     l.loc_fused_counters = carve(l.fused_counter_words * 4);
     l.loc_dy_rows = carve(M * H * kBf16Bytes);
     l.loc_d_gu_rows = carve(M * 2 * I * kBf16Bytes);

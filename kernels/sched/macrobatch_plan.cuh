@@ -32,6 +32,29 @@ namespace pounce::sched {
 inline constexpr int kMaxMacrobatches = 1024;  // bounds kept in shared memory while the plan is built
 inline constexpr int kPlanThreads = 256;
 
+// One thread: bounds[0 .. B] of the ring's macrobatches (whole experts, packed greedily), B returned. An
+// expert with more rows than the ring is recorded (when `report`) and leaves B = 0: nothing routed runs.
+__device__ __forceinline__ int32_t plan_ring_bounds(const layout::WorkspacePointers& ws, int32_t* bounds,
+                                                    bool report) {
+  const int El = ws.num_local_experts;
+  const int32_t M = static_cast<int32_t>(ws.ring_rows);
+  const int32_t* row_offset = ws.group_row_offset;  // clamped to rows_capacity by the scan
+  int32_t largest = 0, largest_expert = 0;
+  for (int e = 0; e < El; ++e) {
+    const int32_t rows = row_offset[e + 1] - row_offset[e];
+    if (rows > largest) largest = rows, largest_expert = e;
+  }
+  bounds[0] = row_offset[0];
+  if (largest > M) {
+    if (report)
+      flags::record_error(ws, layout::DeviceErrorCode::kMacrobatchOverflow, 0, -1, M, largest,
+                          largest_expert);
+    return 0;
+  }
+  // No segment beyond the ring: whole experts only, at most max_macrobatches (WorkspaceLayout's bound).
+  return plan_macrobatches(row_offset, El, M, bounds);
+}
+
 // Any grid of kNumThreads-thread CTAs: every CTA plans the bounds (one thread, El steps) and copies its share
 // of the schedule rows; CTA 0 writes the plan, the offsets and the owners.
 template <int kNumThreads>
@@ -39,25 +62,8 @@ __global__ void __launch_bounds__(kNumThreads) plan_macrobatches_kernel(const la
   __shared__ int32_t bounds[kMaxMacrobatches + 1];
   __shared__ int32_t count;
   const int El = ws.num_local_experts;
-  const int32_t M = static_cast<int32_t>(ws.ring_rows);
   const int32_t* row_offset = ws.group_row_offset;  // clamped to rows_capacity by the scan
-  if (threadIdx.x == 0) {
-    int32_t largest = 0, largest_expert = 0;
-    for (int e = 0; e < El; ++e) {
-      const int32_t rows = row_offset[e + 1] - row_offset[e];
-      if (rows > largest) largest = rows, largest_expert = e;
-    }
-    bounds[0] = row_offset[0];
-    count = 0;
-    if (largest > M) {
-      if (blockIdx.x == 0)
-        flags::record_error(ws, layout::DeviceErrorCode::kMacrobatchOverflow, 0, -1, M, largest,
-                            largest_expert);
-    } else {
-      // No segment beyond the ring: whole experts only, at most max_macrobatches (WorkspaceLayout's bound).
-      count = plan_macrobatches(row_offset, El, M, bounds);
-    }
-  }
+  if (threadIdx.x == 0) count = plan_ring_bounds(ws, bounds, blockIdx.x == 0);
   __syncthreads();
   const int32_t B = count;
   const int32_t maxB = ws.max_macrobatches;

@@ -1,21 +1,18 @@
-// The fused forward's task list over macrobatches (docs/design.md, "Macrobatch ring"; not wired into the
-// kernel yet). Macrobatch b holds schedule rows [bounds[b], bounds[b + 1]) (sched/macrobatches.cuh), which
-// live in ring rows [0, bounds[b + 1] - bounds[b]) while it runs. Each macrobatch's list is
-// forward_tasks.cuh's list over its rows (the shared expert's units in macrobatch 0 only, before its routed
-// ones), and the lists follow each other in macrobatch order:
+// The fused forward's task list over macrobatches (docs/design.md, "Macrobatch ring"; kernels/fused/
+// fused_forward.cuh walks it with a ring). Macrobatch b holds schedule rows [bounds[b], bounds[b + 1])
+// (sched/macrobatches.cuh), which live in ring rows [0, bounds[b + 1] - bounds[b]) while it runs. Each
+// macrobatch's list is forward_tasks.cuh's list over its rows (the shared expert's units in macrobatch 0
+// only, before its routed ones), and the lists follow each other in macrobatch order:
 //
 //   [shared units, GU(0,0) GU(0,1) DN(0,0) ... DN(0,U0-1)] [GU(1,0) GU(1,1) DN(1,0) ... DN(1,U1-1)] ...
 //
 // A routed task names its m-block twice: in the ring (the rows its TMA loads and epilogue stores address) and
 // in the schedule (its expert, the schedule entries the combine reads, the counters rows_ready / first_done /
 // rows_done, which stay indexed by schedule blocks and by routed units numbered across all macrobatches).
-// Ring reuse adds three waits to forward_tasks.cuh's, each on tiles with smaller tickets or on communication
-// CTAs that pulled an earlier macrobatch, so none can wait on a tile that is not handed out:
-//   pulls of macrobatch b + 1     <- every GU tile of macrobatch b stored (its x ring rows are read)
-//   GU tiles of macrobatch b + 1  <- every DN tile of macrobatch b stored (its act ring rows are read; g, u
-//   and
-//                                    act of b are overwritten, so the backward replays b)
-//   DN tiles of macrobatch b + 1  <- push combine only: every row of macrobatch b pushed (its y ring rows)
+// Ring reuse adds waits, each on tiles with smaller tickets or on communication CTAs (kernels/fused/
+// fused_forward.cuh): a routed tile of macrobatch b >= 1 waits until b - 1's ring rows are free (its down
+// tiles stored and, with the push combine, its rows pushed); the pulls of b wait for every gate/up tile of
+// b - 1 (its x rows).
 #pragma once
 
 #include <cstdint>
@@ -24,12 +21,11 @@
 
 namespace pounce::sched {
 
-struct MacrobatchTask {
-  Task task;               // m_block: the ring block (routed) or the shared block; unit: see below
-  int32_t macrobatch;      // 0 for the shared expert's tiles
-  int32_t schedule_block;  // routed: ring block + bounds[macrobatch] / BLOCK_M; shared: = task.m_block
+struct MacrobatchTask : Task {  // m_block: the ring block (routed) or the shared block; unit: see below
+  int32_t macrobatch;           // 0 for the shared expert's tiles
+  int32_t schedule_block;       // routed: ring block + bounds[macrobatch] / BLOCK_M; shared: = m_block
 };
-// task.unit of a routed tile counts routed units across macrobatches (a unit never spans two of them).
+// unit of a routed tile counts routed units across macrobatches (a unit never spans two of them).
 
 struct MacrobatchTaskShape {
   ForwardTaskShape base;     // shared_m_blocks, unit_blocks and the n-blocks; routed_m_blocks is ignored
@@ -63,11 +59,12 @@ class MacrobatchTaskCursor {
       unit_base_ += shape_.list(macrobatch_).routed_units();
       enter(macrobatch_ + 1);
     }
-    if (!cursor_.at(ticket - list_begin_, out.task)) return false;
+    Task& task = out;
+    if (!cursor_.at(ticket - list_begin_, task)) return false;
     out.macrobatch = macrobatch_;
-    const bool routed = out.task.kind == TaskKind::kGateUp || out.task.kind == TaskKind::kDown;
-    out.schedule_block = routed ? block_base_ + out.task.m_block : out.task.m_block;
-    if (routed) out.task.unit += unit_base_;
+    const bool routed = task.kind == TaskKind::kGateUp || task.kind == TaskKind::kDown;
+    out.schedule_block = routed ? block_base_ + task.m_block : task.m_block;
+    if (routed) task.unit += unit_base_;
     return true;
   }
 

@@ -430,6 +430,8 @@ const char* wait_name(layout::WaitId id) {
       return "fused backward: minibatch x rows pulled again (macrobatch replay)";
     case layout::WaitId::kFusedReplayDone:
       return "fused backward: replayed gate/up tiles of an m-block";
+    case layout::WaitId::kFusedRingFree:
+      return "fused forward: the previous macrobatch's ring rows (down tiles stored, rows pushed)";
     case layout::WaitId::kNone:
       break;
   }

@@ -1,7 +1,9 @@
 // The fused forward (DESIGN.md §2, issue #4): the argument checks, a memset of the counters, then ONE
 // persistent cooperative kernel for the pass (kernels/fused/fused_forward.cuh): stage x, routing exchange and
 // barrier, schedule, dispatch, shared expert, gate/up + activation, down, combine and combine barrier; then
-// the weighted sum kernel (memory-bound: kernels/fused/grid_steps.cuh says why it is not inside).
+// the weighted sum kernel (memory-bound: kernels/fused/grid_steps.cuh says why it is not inside). With a
+// macrobatch ring the same one kernel walks the macrobatches (fused_forward_kernel<true>), and a small kernel
+// after it writes the macrobatch views the backward reads (kernels/sched/macrobatch_plan.cuh).
 // Stream-ordered, nothing allocated, no routing count read on the host: capturable like the staged chain.
 //
 // Heuristic (docs/design.md, "Fused forward", from the EP2 sweeps there):
@@ -75,11 +77,10 @@ void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) 
       ms(layout::kTimeLastFinished, layout::kTimeCombineBarrier));
 }
 
-// Zeroed counters (a memset node in a captured graph), then the kernel. The whole pass is launched
-// cooperatively: its grid steps (kernels/fused/grid_steps.cuh) wait for every CTA, so all must be resident,
-// and the launch fails instead of hanging when they cannot be. A macrobatch's launch has no grid step (its
-// compute CTAs wait only on communication CTAs, which start first), so it is a plain launch.
-template <bool kWholePass>
+// Zeroed counters (a memset node in a captured graph), then the kernel, cooperatively: the grid steps
+// (kernels/fused/grid_steps.cuh) wait for every CTA, so all must be resident; the launch fails instead of
+// hanging when they cannot be.
+template <bool kRing>
 void launch_fused_kernel(GpuWorkspace& workspace, const fused::FusedForwardMaps& maps,
                          const fused::FusedForwardParams& params, cudaStream_t stream) {
   POUNCE_CUDA(cudaMemsetAsync(params.ws.fused_counters, 0,
@@ -93,9 +94,9 @@ void launch_fused_kernel(GpuWorkspace& workspace, const fused::FusedForwardMaps&
   launch_config.dynamicSmemBytes = kFusedSharedBytes;
   launch_config.stream = stream;
   launch_config.attrs = &cooperative;
-  launch_config.numAttrs = kWholePass ? 1 : 0;
+  launch_config.numAttrs = 1;
   const cudaError_t launched =
-      cudaLaunchKernelEx(&launch_config, fused::fused_forward_kernel<kWholePass>, maps, params);
+      cudaLaunchKernelEx(&launch_config, fused::fused_forward_kernel<kRing>, maps, params);
   if (launched == cudaErrorCooperativeLaunchTooLarge) {
     (void)cudaGetLastError();  // clear it: the call fails here, the workspace stays usable
     POUNCE_CHECK(
@@ -197,22 +198,16 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   params.unit_blocks = fused_unit_blocks(workspace, params.push_combine);
 
   if (!p.has_ring()) {
-    launch_fused_kernel<true>(workspace, maps, params, stream);
+    launch_fused_kernel<false>(workspace, maps, params, stream);
   } else {
-    // With a ring: the staged prologue (and the macrobatch plan), then one launch per possible macrobatch
-    // (those past the plan's count find no rows), then the staged epilogue.
-    launch_forward_prologue(workspace, args, write_out, timer, stream);
-    for (int32_t b = 0; b < p.max_macrobatches; ++b) {
-      params.ws = p.macrobatch(b);
-      if (b > 0) params.ws.shared_intermediate = 0;  // the shared expert's tiles run with macrobatch 0
-      launch_fused_kernel<false>(workspace, maps, params, stream);
-    }
+    launch_fused_kernel<true>(workspace, maps, params, stream);
+    // The backward's view of every macrobatch (kernels/sched/macrobatch_plan.cuh; the kernel planned the same
+    // bounds in its scan step)
+    constexpr int kPlanThreads = sched::kPlanThreads;
+    sched::plan_macrobatches_kernel<kPlanThreads><<<workspace.num_sms, kPlanThreads, 0, stream>>>(p);
+    POUNCE_CUDA(cudaGetLastError());
   }
   timer.mark("fused");
-  if (p.has_ring()) {
-    launch_forward_epilogue(workspace, args, launch, write_out, timer, stream);
-    return;
-  }
   report_step_times(p, stream);
   launch_weighted_sum(workspace, args, launch, write_out, stream);
   timer.mark("sum");

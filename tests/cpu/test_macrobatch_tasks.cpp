@@ -58,7 +58,7 @@ void check(const ForwardTaskShape& base, const std::vector<int32_t>& bounds, int
   int32_t last_macrobatch = 0;
   for (size_t t = 0; t < tasks.size(); ++t) {
     const MacrobatchTask& mt = tasks[t];
-    const Task& task = mt.task;
+    const Task& task = mt;
     ASSERT_NE(task.kind, TaskKind::kEnd);
     ASSERT_GE(mt.macrobatch, last_macrobatch) << "ticket " << t << " goes back to an earlier macrobatch";
     last_macrobatch = mt.macrobatch;
@@ -97,18 +97,18 @@ void check(const ForwardTaskShape& base, const std::vector<int32_t>& bounds, int
   // Down tiles after every gate/up tile of their m-block.
   for (size_t t = 0; t < tasks.size(); ++t) {
     const MacrobatchTask& mt = tasks[t];
-    if (gate_up(mt.task.kind)) continue;
-    const bool is_routed = routed(mt.task.kind);
+    if (gate_up(mt.kind)) continue;
+    const bool is_routed = routed(mt.kind);
     for (int32_t n = 0; n < (is_routed ? base.gate_up_n : base.shared_gate_up_n); ++n) {
       ASSERT_LT(ticket_of.at(std::make_tuple(is_routed, true, mt.schedule_block, n)), t);
     }
   }
   pounce::test::expect_sparse_tickets_match<MacrobatchTaskCursor>(
       shape, tasks, [](const MacrobatchTask& got, const MacrobatchTask& want, int32_t ticket) {
-        EXPECT_EQ(got.task.kind, want.task.kind) << "ticket " << ticket;
-        EXPECT_EQ(got.task.m_block, want.task.m_block) << "ticket " << ticket;
-        EXPECT_EQ(got.task.n_block, want.task.n_block) << "ticket " << ticket;
-        EXPECT_EQ(got.task.unit, want.task.unit) << "ticket " << ticket;
+        EXPECT_EQ(got.kind, want.kind) << "ticket " << ticket;
+        EXPECT_EQ(got.m_block, want.m_block) << "ticket " << ticket;
+        EXPECT_EQ(got.n_block, want.n_block) << "ticket " << ticket;
+        EXPECT_EQ(got.unit, want.unit) << "ticket " << ticket;
         EXPECT_EQ(got.macrobatch, want.macrobatch) << "ticket " << ticket;
         EXPECT_EQ(got.schedule_block, want.schedule_block) << "ticket " << ticket;
       });
@@ -161,10 +161,10 @@ TEST(MacrobatchTasks, OneMacrobatchIsTheForwardList) {
   const auto got = pounce::test::walk<MacrobatchTaskCursor, MacrobatchTask>(shape);
   ASSERT_EQ(got.size(), expected.size());
   for (size_t t = 0; t < got.size(); ++t) {
-    EXPECT_EQ(got[t].task.kind, expected[t].kind) << "ticket " << t;
-    EXPECT_EQ(got[t].task.m_block, expected[t].m_block) << "ticket " << t;
-    EXPECT_EQ(got[t].task.n_block, expected[t].n_block) << "ticket " << t;
-    EXPECT_EQ(got[t].task.unit, expected[t].unit) << "ticket " << t;
+    EXPECT_EQ(got[t].kind, expected[t].kind) << "ticket " << t;
+    EXPECT_EQ(got[t].m_block, expected[t].m_block) << "ticket " << t;
+    EXPECT_EQ(got[t].n_block, expected[t].n_block) << "ticket " << t;
+    EXPECT_EQ(got[t].unit, expected[t].unit) << "ticket " << t;
     EXPECT_EQ(got[t].schedule_block, expected[t].m_block) << "ticket " << t;
   }
 }
