@@ -43,6 +43,18 @@ __device__ __forceinline__ void push_row(const layout::WorkspacePointers& ws, co
                                   row_vectors);
 }
 
+// A schedule row whose expert output cannot be computed (a macrobatch overflow): its owner's slot gets bf16
+// NaNs, so that the owner's sum shows the failure instead of a stale slot. By one warp.
+__device__ __forceinline__ void poison_row(const layout::WorkspacePointers& ws, int64_t sym_slots,
+                                           int64_t row) {
+  const layout::ScheduleEntry entry = ws.schedule[row];
+  if (entry.src_rank < 0) return;
+  const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
+  int4* dst = slot_row<int4>(ws, sym_slots, entry);
+  const int nan2 = 0x7FC07FC0;  // two bf16 quiet NaNs
+  for (int64_t v = threadIdx.x % 32; v < row_vectors; v += 32) dst[v] = make_int4(nan2, nan2, nan2, nan2);
+}
+
 // Rows of local experts [expert_begin, expert_end) only (a pipeline chunk).
 __device__ __forceinline__ void push_rows(const layout::WorkspacePointers& ws, const void* rows,
                                           int64_t sym_slots, int expert_begin, int expert_end) {

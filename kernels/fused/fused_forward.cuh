@@ -154,6 +154,8 @@ struct ForwardScheduler {
     if (aborted(p.ws)) return;
     const int32_t ticket = static_cast<int32_t>(atomicAdd(counters.ticket(), 1u));
     if (!cursor.at(ticket, task)) return;
+    [[maybe_unused]] uint64_t deadline = 0;
+    if constexpr (kRing) deadline = flags::global_timer_ns() + 2 * p.ws.timeout_ns - p.ws.timeout_ns / 8;
     bool ready = true;
     if (task.kind == TaskKind::kGateUp) {
       ready = wait_count(p.ws, counters.rows_ready(task.unit), static_cast<uint32_t>(p.comm_ctas),
@@ -167,9 +169,13 @@ struct ForwardScheduler {
     if constexpr (kRing) {
       const bool routed = task.kind == TaskKind::kGateUp || task.kind == TaskKind::kDown;
       if (ready && routed && task.macrobatch > ring_checked) {
+        // Both waits end within the consumers' handoff bound (twice the call's), so a stall is named by the
+        // wait that saw it, not by the handoff.
+        const uint64_t now = flags::global_timer_ns();
+        const uint64_t left = now < deadline ? deadline - now : 1;
         const int32_t previous = task.macrobatch - 1;
         ready = wait_count(p.ws, counters.ring_free(previous), ring_free_expected(previous),
-                           layout::WaitId::kFusedRingFree, previous);
+                           layout::WaitId::kFusedRingFree, previous, left);
         if (ready) ring_checked = task.macrobatch;
       }
     }
@@ -295,6 +301,13 @@ __device__ __forceinline__ void run_ring_communication(const layout::WorkspacePo
     return true;
   };
 
+  if (num_macrobatches ==
+      0) {  // overflow (recorded in the scan step) or no rows: poison what was routed here
+    const int32_t* row_offset = ws.group_row_offset;
+    for (int64_t row = row_offset[0] + warp; row < row_offset[ws.num_local_experts]; row += num_warps)
+      combine::poison_row(ws, ws.sym_y_slots, row);
+    return;
+  }
   int32_t j = 0;  // global unit
   for (int32_t b = 0; b < num_macrobatches; ++b) {
     if (b >= 1) {

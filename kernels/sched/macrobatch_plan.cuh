@@ -17,12 +17,14 @@
 // Every kernel of macrobatch b then runs unchanged on WorkspacePointers::macrobatch(b). An expert never spans
 // two macrobatches: the ring is at least the largest segment distinct expert ids per token can produce
 // (num_ranks * max_tokens, padded). A larger one (a token naming an expert twice) is recorded
-// (kMacrobatchOverflow) and the plan is left empty: the routed experts compute nothing, nothing is written
-// out of bounds.
+// (kMacrobatchOverflow) and the plan is left empty: the routed experts compute nothing, their rows' owners
+// get NaN slots (not stale ones), every weight gradient is written as zeros, nothing is written out of
+// bounds.
 #pragma once
 
 #include <cstdint>
 
+#include "kernels/combine/combine.cuh"
 #include "kernels/common/flags.cuh"
 #include "kernels/layout/workspace_layout.cuh"
 #include "kernels/sched/macrobatches.cuh"
@@ -58,7 +60,8 @@ __device__ __forceinline__ int32_t plan_ring_bounds(const layout::WorkspacePoint
 // Any grid of kNumThreads-thread CTAs: every CTA plans the bounds (one thread, El steps) and copies its share
 // of the schedule rows; CTA 0 writes the plan, the offsets and the owners.
 template <int kNumThreads>
-__global__ void __launch_bounds__(kNumThreads) plan_macrobatches_kernel(const layout::WorkspacePointers ws) {
+__global__ void __launch_bounds__(kNumThreads)
+    plan_macrobatches_kernel(const layout::WorkspacePointers ws, bool poison_on_overflow) {
   __shared__ int32_t bounds[kMaxMacrobatches + 1];
   __shared__ int32_t count;
   const int El = ws.num_local_experts;
@@ -85,8 +88,20 @@ __global__ void __launch_bounds__(kNumThreads) plan_macrobatches_kernel(const la
       const int32_t first = row_offset[e];
       const bool has_rows = row_offset[e + 1] > first;
       const bool holds = b < B && bounds[b] <= first && first < bounds[b + 1];
-      ws.macrobatch_owned[i] = (has_rows ? holds : b == 0) ? 1 : 0;
+      // After an overflow (B = 0 with rows) macrobatch 0 writes every expert: zeros, nothing stale.
+      ws.macrobatch_owned[i] = (has_rows && B > 0 ? holds : b == 0) ? 1 : 0;
     }
+  }
+  // After an overflow the routed experts compute nothing: their rows' owners get NaN slots. Only where this
+  // runs before the combine barrier (`poison_on_overflow`: the staged path; the fused forward poisons inside
+  // its kernel, and a write after the barrier could land in the owner's next call).
+  if (B == 0 && row_offset[El] > row_offset[0]) {
+    if (!poison_on_overflow) return;
+    const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+    for (int64_t row = row_offset[0] + warp; row < row_offset[El]; row += num_warps)
+      combine::poison_row(ws, ws.sym_y_slots, row);
+    return;
   }
   // Schedule rows, ring-relative, every CTA a strided share (16-byte entries).
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;

@@ -133,10 +133,19 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
   }
 
   const BackwardLaunch launch = launch_backward_prologue(workspace, args, timer, stream);
+  // Counters start at zero every call (memset nodes in a captured graph). Between macrobatch launches only
+  // the ticket, the roles and the per-tile counters restart: an abort (and the stage ring's error) stays, so
+  // the later launches end at once and the error keeps its detail.
+  POUNCE_CUDA(
+      cudaMemsetAsync(p.fused_counters, 0, workspace.layout.fused_counter_words * sizeof(uint32_t), stream));
+  static_assert(layout::kFusedTicket == 0 && layout::kFusedRole == 1, "ticket and role lead the header");
   for (size_t i = 0; i < launches.size(); ++i) {
-    // Counters start at zero every launch (a memset node in a captured graph).
-    POUNCE_CUDA(cudaMemsetAsync(p.fused_counters, 0, workspace.layout.fused_counter_words * sizeof(uint32_t),
-                                stream));
+    if (i > 0) {
+      POUNCE_CUDA(cudaMemsetAsync(p.fused_counters, 0, 2 * sizeof(uint32_t), stream));
+      POUNCE_CUDA(cudaMemsetAsync(
+          p.fused_counters + layout::kFusedHeaderWords, 0,
+          (workspace.layout.fused_counter_words - layout::kFusedHeaderWords) * sizeof(uint32_t), stream));
+    }
     fused::fused_backward_kernel<<<workspace.num_sms, kernels::gemm::GemmConfig::kNumThreads,
                                    kFusedSharedBytes, stream>>>(launches[i]);
     POUNCE_CUDA(cudaGetLastError());

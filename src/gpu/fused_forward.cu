@@ -204,7 +204,7 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
     // The backward's view of every macrobatch (kernels/sched/macrobatch_plan.cuh; the kernel planned the same
     // bounds in its scan step)
     constexpr int kPlanThreads = sched::kPlanThreads;
-    sched::plan_macrobatches_kernel<kPlanThreads><<<workspace.num_sms, kPlanThreads, 0, stream>>>(p);
+    sched::plan_macrobatches_kernel<kPlanThreads><<<workspace.num_sms, kPlanThreads, 0, stream>>>(p, false);
     POUNCE_CUDA(cudaGetLastError());
   }
   timer.mark("fused");

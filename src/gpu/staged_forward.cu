@@ -111,7 +111,7 @@ ForwardLaunch launch_forward_prologue(GpuWorkspace& workspace, const ForwardArgs
       <<<schedule_grid, routing::kScheduleThreads, schedule_smem, stream>>>(p);
   if (p.has_ring()) {
     constexpr int kPlanThreads = sched::kPlanThreads;
-    sched::plan_macrobatches_kernel<kPlanThreads><<<workspace.num_sms, kPlanThreads, 0, stream>>>(p);
+    sched::plan_macrobatches_kernel<kPlanThreads><<<workspace.num_sms, kPlanThreads, 0, stream>>>(p, true);
   }
   POUNCE_CUDA(cudaGetLastError());
   timer.mark("schedule");

@@ -462,7 +462,8 @@ TEST(StagedForward, MacrobatchRingMatchesReference) {
 }
 
 // A token naming one expert in every slot sends it more rows than the smallest ring holds: the call reports
-// it (nothing routed is computed, nothing written out of bounds) and the next call is clean.
+// it, computes nothing routed, poisons the owners' slots (NaN outputs, never stale ones), writes nothing out
+// of bounds, and the next call is clean.
 TEST(StagedForward, MacrobatchOverflowIsReportedNotWritten) {
   SKIP_UNLESS_GPUS(1);
   const Model m = make_model(make_shape(128, 128, 64, 4, 2, 0, 1), pounce::Activation::swiglu(), 18);
@@ -474,6 +475,12 @@ TEST(StagedForward, MacrobatchOverflowIsReportedNotWritten) {
   for (const Mode mode : {Mode::kEagerTwice, Mode::kStagedVsFused}) {
     const auto results = run_on_gpus(m, data, {crowded, good}, mode, 0, pounce::kBlockM);
     EXPECT_NE(results[0][0].error.find("macrobatch overflow"), std::string::npos) << results[0][0].error;
+    // Every (token, slot) of the crowded call was poisoned with 0x7FC0 NaNs: its owner's sum is NaN, never a
+    // stale value (the fresh workspace's slots held zeros).
+    const std::vector<uint16_t>& slots = results[0][0].y_slots;
+    ASSERT_EQ(slots.size(), static_cast<size_t>(128 * 2 * 128));
+    EXPECT_EQ(std::count(slots.begin(), slots.end(), uint16_t{0x7FC0}), static_cast<long>(slots.size()))
+        << "an overflowing call must poison its slots";
     check_call(m, good, data[1], results[1], "after the overflowing call");
   }
 }
