@@ -26,7 +26,7 @@ if [ "${RING_PERF:-1}" = 1 ]; then
   tokens=8192
   ring=$((2 * tokens))
   for preset in ${RING_PRESETS:-qwen3-30b-a3b deepseek-v3}; do
-    for kernel in fused staged; do
+    for kernel in ${RING_KERNELS:-fused staged}; do
       for macrobatch in 0 $ring; do
         line=$(timeout 90 ./build/pounce run --preset "$preset" --tokens $tokens --kernel $kernel \
           --backward-kernel $kernel --macrobatch $macrobatch --check-tokens 8 --iters 5 --wgrad-dtype bf16 2>&1 |
