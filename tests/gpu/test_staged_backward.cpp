@@ -522,6 +522,28 @@ std::vector<std::vector<RankBackwardResult>> run_and_check(const Model& m, const
   return results;
 }
 
+// Two runs of the same calls (another path, another config) gave bitwise the same forward outputs and every
+// gradient: each fp32 run, the bf16 and the accumulate run.
+void expect_bitwise_equal(const std::vector<std::vector<RankBackwardResult>>& a,
+                          const std::vector<std::vector<RankBackwardResult>>& b, const std::string& name) {
+  ASSERT_EQ(a.size(), b.size()) << name;
+  for (size_t c = 0; c < a.size(); ++c) {
+    for (size_t r = 0; r < a[c].size(); ++r) {
+      const std::string where = name + " call " + std::to_string(c) + " rank " + std::to_string(r);
+      const RankBackwardResult &x = a[c][r], &y = b[c][r];
+      EXPECT_TRUE(x.out[0] == y.out[0]) << where << ": forward outputs differ";
+      ASSERT_EQ(x.fp32_runs.size(), y.fp32_runs.size()) << where;
+      ASSERT_FALSE(x.fp32_runs.empty()) << where;
+      for (size_t i = 0; i < x.fp32_runs.size(); ++i) {
+        EXPECT_EQ(first_difference(x.fp32_runs[i].second, y.fp32_runs[i].second), "")
+            << where << ": " << x.fp32_runs[i].first;
+      }
+      EXPECT_EQ(first_difference(x.bf16_run, y.bf16_run), "") << where << ": bf16 weight gradients";
+      EXPECT_EQ(first_difference(x.accumulate_run, y.accumulate_run), "") << where << ": accumulate";
+    }
+  }
+}
+
 // `activation` with a clamp low enough that the test data reaches it (GPT-OSS's preset 7 never would).
 pounce::Activation clamped(pounce::Activation activation, float limit) {
   activation.clamp_limit = limit;
@@ -671,20 +693,7 @@ TEST(FusedBackward, EqualsStagedBitwise) {
           const std::string name = (m == &shared ? "shared expert" : "routed only") + label;
           const auto a = run_and_check(*m, calls, false, "staged, " + name, staged);
           const auto b = run_and_check(*m, calls, false, "fused, " + name, fused);
-          for (size_t c = 0; c < calls.size(); ++c) {
-            for (int r = 0; r < R; ++r) {
-              const std::string where = name + " call " + std::to_string(c) + " rank " + std::to_string(r);
-              const RankBackwardResult &x = a[c][r], &y = b[c][r];
-              ASSERT_EQ(x.fp32_runs.size(), y.fp32_runs.size()) << where;
-              ASSERT_FALSE(x.fp32_runs.empty()) << where;
-              for (size_t i = 0; i < x.fp32_runs.size(); ++i) {
-                EXPECT_EQ(first_difference(x.fp32_runs[i].second, y.fp32_runs[i].second), "")
-                    << where << ": " << x.fp32_runs[i].first;
-              }
-              EXPECT_EQ(first_difference(x.bf16_run, y.bf16_run), "") << where << ": bf16 weight gradients";
-              EXPECT_EQ(first_difference(x.accumulate_run, y.accumulate_run), "") << where << ": accumulate";
-            }
-          }
+          expect_bitwise_equal(a, b, name);
         }
       }
     }
@@ -730,21 +739,7 @@ TEST(Macrobatches, RingEqualsWorstCaseBitwise) {
       const std::string name = std::string(pounce::to_string(path)) + " ranks " + std::to_string(R);
       const auto a = run_and_check(m, calls, false, "worst case, " + name, worst);
       const auto b = run_and_check(m, calls, false, "ring of " + std::to_string(ring) + ", " + name, ringed);
-      for (size_t c = 0; c < calls.size(); ++c) {
-        for (int r = 0; r < R; ++r) {
-          const std::string where = name + " call " + std::to_string(c) + " rank " + std::to_string(r);
-          const RankBackwardResult &x = a[c][r], &y = b[c][r];
-          EXPECT_TRUE(x.out[0] == y.out[0]) << where << ": forward outputs differ";
-          ASSERT_EQ(x.fp32_runs.size(), y.fp32_runs.size()) << where;
-          ASSERT_FALSE(x.fp32_runs.empty()) << where;
-          for (size_t i = 0; i < x.fp32_runs.size(); ++i) {
-            EXPECT_EQ(first_difference(x.fp32_runs[i].second, y.fp32_runs[i].second), "")
-                << where << ": " << x.fp32_runs[i].first;
-          }
-          EXPECT_EQ(first_difference(x.bf16_run, y.bf16_run), "") << where << ": bf16 weight gradients";
-          EXPECT_EQ(first_difference(x.accumulate_run, y.accumulate_run), "") << where << ": accumulate";
-        }
-      }
+      expect_bitwise_equal(a, b, name);
     }
   }
 }
