@@ -161,6 +161,10 @@ int main(int argc, char** argv) {
       {"deepseek-v3 gate_up", balanced(128, 1024), 2048, 7168, Kind::kGateUp},
       {"deepseek-v3 down", balanced(128, 1024), 7168, 2048, Kind::kStore},
       {"deepseek-v3 down skewed", skewed(128), 7168, 2048, Kind::kStore},
+      // what one rank computes at EP2, 8192 tokens per rank: 512 rows per local expert (half the reuse of
+      // every weight tile above), the fused forward's GEMM-bound floor
+      {"deepseek-v3 ep2 gate_up", balanced(128, 512), 2048, 7168, Kind::kGateUp},
+      {"deepseek-v3 ep2 down", balanced(128, 512), 7168, 2048, Kind::kStore},
       {"deepseek-v3 shared gate_up", balanced(1, 8192), 2048, 7168, Kind::kGateUp},
       {"deepseek-v3 shared down", balanced(1, 8192), 7168, 2048, Kind::kStore},
       {"qwen3-30b-a3b gate_up", balanced(64, 1024), 768, 2048, Kind::kGateUp},
