@@ -152,7 +152,8 @@ void launch_forward_replay(GpuWorkspace& workspace, const BackwardArgs& args,
 void launch_context_restore(GpuWorkspace& workspace, const BackwardArgs& args,
                             const kernels::ActivationParams& activation, cudaStream_t stream);
 // Launches the staged backward on `stream` (src/gpu/staged_backward.cu). Consumes the forward context the
-// last forward (or recompute_forward_context) of this workspace left; does not modify it.
+// last forward (or recompute_forward_context) of this workspace left and leaves it as it was (with a ring,
+// the resident macrobatch is replayed back at the end).
 void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream);
 // The same through the fused backward kernel (src/gpu/fused_backward.cu); bitwise the same gradients.
 void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream);

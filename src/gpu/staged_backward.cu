@@ -15,8 +15,9 @@
 // the resident last one first replays its forward rows (pull x, gate/up + activation: bitwise the forward's).
 //
 // Weight gradients reduce over each expert's whole row segment in one CTA per output tile, ascending rows
-// (bitwise deterministic); an expert without rows gets zeros. The forward context is read, never written,
-// so backward may run again on the same context.
+// (bitwise deterministic); an expert without rows gets zeros. The forward context is read, never changed (a
+// ring's replays overwrite its rows and the restore puts back the forward's, bitwise), so backward may run
+// again on the same context.
 #include <cuda_runtime.h>
 
 #include "kernels/backward/reverse_combine.cuh"
