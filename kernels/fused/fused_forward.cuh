@@ -117,8 +117,9 @@ __device__ __forceinline__ const int32_t* ring_bounds(const layout::WorkspacePoi
 // Producer thread, first: ticket -> task -> its inputs ready (kEnd past the list, on a failure or an abort).
 // kRing: the list walks the macrobatches (sched/macrobatch_tasks.cuh) and a routed tile of macrobatch b >= 1
 // also waits until macrobatch b - 1's ring rows are free (ring_free: its down tiles stored and, with the push
-// combine, its rows pushed); that is on tiles with smaller tickets or on the communication CTAs, which push
-// b - 1 before they wait for anything of b (run_ring_communication), so no cycle.
+// combine, its rows pushed). That is on tiles with smaller tickets or on the communication CTAs, which push
+// b - 1 at the latest before they wait for anything of b + 1, and wait for nothing of b before that but pulls
+// (run_ring_communication), so no cycle.
 template <bool kRing>
 struct ForwardScheduler {
   using TaskT = std::conditional_t<kRing, sched::MacrobatchTask, Task>;
