@@ -4,10 +4,7 @@
 # small fused case and the Python GPU tests; a short table last. Every step has its own time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 POUNCE_PEER_TIMEOUT_S=20
-nccl_lib=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
-[ -d "$nccl_lib" ] && export LD_LIBRARY_PATH="$nccl_lib:${LD_LIBRARY_PATH:-}"
-[ -d /opt/torch/.venv/bin ] && export PATH="/opt/torch/.venv/bin:$PATH"
+. tools/gpu_env.sh
 out="${OUT:-/tmp/pounce_out}"
 mkdir -p "$out"
 summary=()

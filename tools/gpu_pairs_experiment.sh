@@ -4,9 +4,7 @@
 # with and without POUNCE_GEMM_PAIRS=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 POUNCE_PEER_TIMEOUT_S=20
-nccl_lib=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
-[ -d "$nccl_lib" ] && export LD_LIBRARY_PATH="$nccl_lib:${LD_LIBRARY_PATH:-}"
+. tools/gpu_env.sh
 POUNCE_TEST_GEMM_PAIRS=1 timeout 120 ./build/tests/pounce_gpu_tests --gtest_filter='GroupedGemm*:GroupedGateUp*' 2>&1 |
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|differ" | head -20
 for pairs in 0 1; do
