@@ -148,13 +148,14 @@ TEST(CliBench, RecordsCarryEveryFieldOfDesignSection7) {
                               "abc1234",     "pounce bench", "now"};
   const json record = make_record(context, measured(BenchPass::kForwardBackward, {3.0, 1.0, 2.0}));
   for (const char* key :
-       {"impl", "pass", "preset", "ranks", "tokens_per_rank", "precision", "median_ms", "tflops",
-        "speedup_vs_baseline", "gpu", "driver", "cuda", "nccl", "commit", "command", "date"})
+       {"impl", "pass", "preset", "ranks", "tokens_per_rank", "macrobatch_size", "precision", "median_ms",
+        "tflops", "speedup_vs_baseline", "gpu", "driver", "cuda", "nccl", "commit", "command", "date"})
     EXPECT_TRUE(record.contains(key)) << key;
   EXPECT_EQ(record["impl"], "staged");
   EXPECT_EQ(record["pass"], "forward_backward");
   EXPECT_EQ(record["ranks"], 2);
   EXPECT_EQ(record["tokens_per_rank"], 8192);
+  EXPECT_EQ(record["macrobatch_size"], 0) << "the worst case unless --macrobatch says otherwise";
   EXPECT_EQ(record["precision"], "bf16");
   EXPECT_DOUBLE_EQ(record["median_ms"].get<double>(), 2.0);
   EXPECT_DOUBLE_EQ(record["min_ms"].get<double>(), 1.0);
@@ -352,6 +353,14 @@ TEST(CliBench, MeasuresEveryPassOnTheCpuBackend) {
   ASSERT_TRUE(outcome.repeat_bitwise_equal.has_value());
   EXPECT_TRUE(*outcome.repeat_bitwise_equal);
   EXPECT_EQ(outcome.forward_backward_ms.size(), 3u);
+
+  // The ring reaches the layer's config: an invalid one fails every pass with the config's message, not the
+  // sweep.
+  setup.macrobatch_size = pounce::kBlockM / 2;  // not a multiple of 128
+  const std::vector<Measurement> small_ring = measure(problem, setup, parse_passes({"forward"}), nullptr);
+  ASSERT_EQ(small_ring.size(), 1u);
+  EXPECT_NE(small_ring[0].error.find("macrobatch_size"), std::string::npos) << small_ring[0].error;
+  setup.macrobatch_size = 0;
 
   // An impl that does not exist fails every pass, not the sweep.
   setup.impl = "fast";

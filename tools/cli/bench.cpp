@@ -199,6 +199,7 @@ std::vector<Measurement> measure(const HostProblem& problem, const Measurement& 
     request.config.activation = problem.activation;
     request.config.backend = setup.backend;
     select_impl(setup.impl, request.config);
+    request.config.macrobatch_size = setup.macrobatch_size;
     request.warmup = setup.warmup;
     request.iters = setup.iters;
     request.wgrad_fp32 = false;  // bf16 weight gradients, as the baseline's autograd produces
@@ -229,6 +230,7 @@ json make_record(const RecordContext& context, const Measurement& m) {
       {"preset", m.preset},
       {"ranks", s.num_ranks},
       {"tokens_per_rank", s.max_tokens},
+      {"macrobatch_size", m.macrobatch_size},
       {"precision", to_string(Precision::kBF16)},
       {"median_ms", number_or_null(measured, median_ms)},
       {"tflops", number_or_null(measured, tflops(m.flops, median_ms))},

@@ -68,6 +68,7 @@ struct Measurement {
   int warmup = 0;
   int iters = 0;
   int input_sets = 1;
+  int64_t macrobatch_size = 0;   // Config::macrobatch_size of the runs (0 = the worst case)
   double flops = 0.0;            // useful work per rank (DESIGN.md §7), averaged over ranks
   double crossing_bytes = 0.0;   // bytes of token rows that cross to another rank, per rank
   std::vector<double> times_ms;  // per timed run, the slowest rank; empty when not measured

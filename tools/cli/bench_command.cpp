@@ -165,6 +165,16 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
                machine.num_gpus, " are visible");
   POUNCE_CHECK(options.iters >= 1 && options.warmup >= 0, "--iters must be >= 1 and --warmup >= 0");
   POUNCE_CHECK(options.input_sets >= 0, "--input-sets must be >= 0 (0 = enough to exceed twice the L2)");
+  // The smallest ring one expert's rows fit (src/config.cpp): ranks x tokens, padded to 128.
+  auto smallest_ring = [R](int64_t tokens) { return (R * tokens + kBlockM - 1) / kBlockM * kBlockM; };
+  POUNCE_CHECK(options.macrobatch >= -1, "--macrobatch ", options.macrobatch,
+               " must be 0 (the worst case), -1 (the smallest ring) or a row count");
+  for (int64_t tokens : options.tokens) {
+    POUNCE_CHECK(options.macrobatch <= 0 || options.macrobatch >= smallest_ring(tokens), "--macrobatch ",
+                 options.macrobatch, " is below the ", smallest_ring(tokens),
+                 " rows one expert can receive at ", tokens, " tokens per rank on ", R,
+                 " ranks; raise it, or pass -1 for the smallest ring");
+  }
 
   set_default_environment(build_info().commit);
   const GpuFacts facts = gpu_facts();
@@ -211,6 +221,7 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
       setup.backend = backend;
       setup.warmup = options.warmup;
       setup.iters = options.iters;
+      setup.macrobatch_size = options.macrobatch < 0 ? smallest_ring(tokens) : options.macrobatch;
       setup.input_sets =
           options.input_sets > 0 ? options.input_sets : rotation_sets(input_set_bytes(shape), l2);
       const std::string what = preset.name + ", " + std::to_string(tokens) + " tokens/rank";

@@ -20,6 +20,8 @@ struct BenchOptions {
   std::vector<std::string> presets = {"qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b", "mixtral-8x7b"};
   std::vector<int64_t> tokens = {4096, 8192};
   std::vector<std::string> impls = {"fused"};
+  int64_t macrobatch =
+      0;  // rows of the routed activation ring: 0 = the worst case, -1 = the smallest (R x T)
   std::vector<std::string> passes = {"all"};  // forward | backward | forward_backward | all
   std::string backend = "auto";               // auto (= gpu) | gpu | cpu (tests the tool; no baseline)
   int ranks = 0;                              // 0 = every visible GPU (2 on the CPU backend)

@@ -114,6 +114,11 @@ int main(int argc, char** argv) {
                    "forward | backward | forward_backward | all (= forward,forward_backward); a list")
       ->delimiter(',')
       ->capture_default_str();
+  bench_app
+      ->add_option("--macrobatch", bench.macrobatch,
+                   "rows of the routed activation ring (0 = the dropless worst case, -1 = the smallest: "
+                   "ranks x tokens)")
+      ->capture_default_str();
   bench_app->add_option("--ranks", bench.ranks, "GPUs (0 = every visible GPU)")->capture_default_str();
   bench_app
       ->add_option("--backend", bench.backend,
