@@ -703,14 +703,19 @@ TEST(FusedBackward, EqualsStagedBitwise) {
 
 // One small case through the fused forward and backward kernels against the reference: the case
 // tools/gpu_sanitize.sh runs under compute-sanitizer (memcheck, racecheck, synccheck).
-TEST(FusedBackward, OneRankSmall) {
-  SKIP_UNLESS_GPUS(1);
+void run_one_rank_small(int64_t macrobatch_size, const std::string& name) {
   const Model m =
       make_model(make_shape(192, 256, 128, 8, 2, 128, 1), clamped(pounce::Activation::swiglu(), 1.5f), 151);
   pounce::Config config;
   config.kernel_path = config.backward_kernel_path = pounce::KernelPath::kFused;
   config.minibatch_size = pounce::kBlockM;
-  run_and_check(m, {{{192}, Routing::kRandom, false, 152}}, false, "fused backward, one rank", config);
+  config.macrobatch_size = macrobatch_size;
+  run_and_check(m, {{{192}, Routing::kRandom, false, 152}}, false, name, config);
+}
+
+TEST(FusedBackward, OneRankSmall) {
+  SKIP_UNLESS_GPUS(1);
+  run_one_rank_small(0, "fused backward, one rank");
 }
 
 // Issues #4 and #5, the macrobatch ring: with the smallest ring (config.macrobatch_size = num_ranks *
@@ -748,13 +753,7 @@ TEST(Macrobatches, RingEqualsWorstCaseBitwise) {
 // sanitizers also see the macrobatch plan, the per-macrobatch launches and the fused backward's replay.
 TEST(FusedBackward, OneRankSmallRing) {
   SKIP_UNLESS_GPUS(1);
-  const Model m =
-      make_model(make_shape(192, 256, 128, 8, 2, 128, 1), clamped(pounce::Activation::swiglu(), 1.5f), 151);
-  pounce::Config config;
-  config.kernel_path = config.backward_kernel_path = pounce::KernelPath::kFused;
-  config.minibatch_size = pounce::kBlockM;
-  config.macrobatch_size = 2 * pounce::kBlockM;
-  run_and_check(m, {{{192}, Routing::kRandom, false, 152}}, false, "fused backward, one rank, ring", config);
+  run_one_rank_small(2 * pounce::kBlockM, "fused backward, one rank, ring");
 }
 
 // The forward reports the bad id and skips that slot; backward then runs like the reference with -1 there,

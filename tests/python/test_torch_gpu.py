@@ -157,33 +157,33 @@ def test_forward_and_gradients_match_pytorch(world, tokens, shared):
     agree(lambda: require(all(torch.equal(a, b) for a, b in zip(got, again)), "two runs differ (determinism)"))
 
 
+def expect_same_results(world, tokens, seed, config_a, config_b, message):
+    """Two layers with the same weights, one per config, give bitwise the same outputs and gradients; the
+    second also meets the reference."""
+    rank, R, _ = world
+    inputs, routed, shared_w = make_inputs(R, tokens, seed=seed, shared=IS)
+    a = make_module(routed, shared_w, config=config_a)
+    b = make_module(routed, shared_w, config=config_b)
+    got_a = step(a, *inputs[rank])
+    got_b = step(b, *inputs[rank])
+    check_against_reference(rank, b, got_b, inputs, routed, shared_w)
+    agree(lambda: require(all(torch.equal(x, y) for x, y in zip(got_a, got_b)), message))
+
+
 def test_fused_backward_kernel_equals_staged(world):
     """Config.backward_kernel_path = fused: the same gradients as the staged backward, bit for bit."""
-    rank, R, _ = world
-    inputs, routed, shared_w = make_inputs(R, [300, 129], seed=17, shared=IS)
-    staged = make_module(routed, shared_w, config=pounce.Config(backward_kernel_path=pounce.KernelPath.staged))
-    fused = make_module(routed, shared_w, config=pounce.Config(backward_kernel_path=pounce.KernelPath.fused))
-    got_staged = step(staged, *inputs[rank])
-    got_fused = step(fused, *inputs[rank])
-    check_against_reference(rank, fused, got_fused, inputs, routed, shared_w)
-    agree(lambda: require(all(torch.equal(a, b) for a, b in zip(got_staged, got_fused)),
-                          "fused and staged backward differ"))
+    expect_same_results(world, [300, 129], 17, pounce.Config(backward_kernel_path=pounce.KernelPath.staged),
+                        pounce.Config(backward_kernel_path=pounce.KernelPath.fused),
+                        "fused and staged backward differ")
 
 
 def test_macrobatch_ring_equals_worst_case(world):
     """Config.macrobatch_size at its minimum (ranks x max_tokens rows): the routed experts run in macrobatches,
     the backward replays all but the last, and every output and gradient is the worst-case layer's, bit for
     bit."""
-    rank, R, _ = world
-    inputs, routed, shared_w = make_inputs(R, [300, 170], seed=23, shared=IS)
-    ring = (R * MAX_TOKENS + 127) // 128 * 128
-    worst = make_module(routed, shared_w)
-    ringed = make_module(routed, shared_w, config=pounce.Config(macrobatch_size=ring))
-    got_worst = step(worst, *inputs[rank])
-    got_ring = step(ringed, *inputs[rank])
-    check_against_reference(rank, ringed, got_ring, inputs, routed, shared_w)
-    agree(lambda: require(all(torch.equal(a, b) for a, b in zip(got_worst, got_ring)),
-                          "the macrobatch ring changes the results"))
+    ring = (world[1] * MAX_TOKENS + 127) // 128 * 128
+    expect_same_results(world, [300, 170], 23, pounce.Config(), pounce.Config(macrobatch_size=ring),
+                        "the macrobatch ring changes the results")
 
 
 def test_gpt_oss_and_all_tokens_to_one_expert(world):
