@@ -183,6 +183,14 @@ int main(int argc, char** argv) {
       {"gpt-oss-120b bwd act", balanced(64, 512), 2880, 2880, Kind::kActivationBackward},
       {"gpt-oss-120b bwd d_x", balanced(64, 512), 2880, 5760, Kind::kTransposed},
       {"gpt-oss-120b wgrad down", balanced(64, 512), 2880, 2880, Kind::kWeightGrad},
+      // the backward at EP2 (512 rows per expert: weight gradients reduce over 8 K blocks per tile), and the
+      // same gpt-oss reduction over whole tiles (3072) and over 1024 rows, to tell edge waste from depth
+      {"deepseek-v3 ep2 bwd act", balanced(128, 512), 2048, 7168, Kind::kActivationBackward},
+      {"deepseek-v3 ep2 bwd d_x", balanced(128, 512), 7168, 4096, Kind::kTransposed},
+      {"deepseek-v3 ep2 wgrad down", balanced(128, 512), 7168, 2048, Kind::kWeightGrad},
+      {"deepseek-v3 ep2 wgrad gate", balanced(128, 512), 2048, 7168, Kind::kWeightGrad},
+      {"gpt-oss-120b wgrad whole tiles", balanced(64, 512), 3072, 3072, Kind::kWeightGrad},
+      {"gpt-oss-120b wgrad 1024 rows", balanced(64, 1024), 2880, 2880, Kind::kWeightGrad},
   };
   cudaDeviceProp prop{};
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));

@@ -141,6 +141,35 @@ __device__ __forceinline__ void tma_load_3d_multicast(void* smem_dst, const void
 }
 
 // ---------------------------------------------------------------------------------------------------
+// TMA stores: shared -> global through a tensor map, tracked per issuing thread in bulk async-groups.
+// Out-of-bounds elements of the box are not written. Generic-proxy writes to the source must be ordered
+// before the store with fence_proxy_async_shared.
+// ---------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void tma_store_2d(const void* tensor_map, uint32_t smem_src, int32_t c0,
+                                             int32_t c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(tensor_map)),
+               "r"(smem_src), "r"(c0), "r"(c1)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// Until at most kMaxPending of this thread's newest bulk groups are still reading their shared memory.
+template <int kMaxPending>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kMaxPending) : "memory");
+}
+// Until at most kMaxPending of them are incomplete: the others' global writes are visible to this thread.
+template <int kMaxPending>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kMaxPending) : "memory");
+}
+__device__ __forceinline__ void st_shared_b32(uint32_t smem_byte_addr, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_byte_addr), "r"(value) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Clusters: this CTA's rank, the cluster-wide barrier, and mbarriers of another CTA of the cluster.
 // ---------------------------------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t cluster_cta_rank() {

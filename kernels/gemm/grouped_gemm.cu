@@ -30,10 +30,15 @@ constexpr int kMaxDevices = 64;
   } while (0)
 
 template <KernelKind kKind>
+constexpr size_t shared_bytes_of() {
+  return gemm::shared_bytes_for(gemm::gemm_kind(kKind).epilogue);
+}
+
+template <KernelKind kKind>
 void set_shared_limit() {
   POUNCE_GEMM_CUDA_CHECK(cudaFuncSetAttribute(gemm::grouped_gemm_kernel<kKind>,
                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              static_cast<int>(gemm::kSharedBytes)));
+                                              static_cast<int>(shared_bytes_of<kKind>())));
 }
 
 constexpr int kPairClusterSize = 2;
@@ -100,8 +105,12 @@ const DeviceInfo& device_info() {
     int max_smem = 0;
     POUNCE_GEMM_CUDA_CHECK(
         cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    POUNCE_CHECK(static_cast<size_t>(max_smem) >= gemm::kSharedBytes, "device ", device, " offers ", max_smem,
-                 " bytes of shared memory per block, the grouped GEMM needs ", gemm::kSharedBytes,
+    constexpr size_t kMostBytes =
+        std::max({shared_bytes_of<KernelKind::kForwardStore>(), shared_bytes_of<KernelKind::kForwardGateUp>(),
+                  shared_bytes_of<KernelKind::kDataGradActivation>(),
+                  shared_bytes_of<KernelKind::kWeightGrad>(), gemm::kSharedBytes});
+    POUNCE_CHECK(static_cast<size_t>(max_smem) >= kMostBytes, "device ", device, " offers ", max_smem,
+                 " bytes of shared memory per block, the grouped GEMM needs ", kMostBytes,
                  "; fix: run on a Hopper (sm_90a) GPU");
     void* flag = nullptr;
     POUNCE_GEMM_CUDA_CHECK(cudaGetSymbolAddress(&flag, g_grouped_gemm_error));
@@ -190,14 +199,19 @@ CUtensorMap transposed_weight_map(const void* w, int num_groups, int64_t rows, i
   return grouped_matrix_map(w, num_groups, rows, cols, GemmConfig::kBoxMN, GemmConfig::BLOCK_K);
 }
 
+// Output rows [max_rows, cols] with row stride ld, stored in chunks of 64 x 64 (tma_store.cuh).
+CUtensorMap output_map(const GroupedRows& rows, const void* out, int64_t cols, int64_t ld) {
+  return matrix_map(out, rows.max_rows, cols, ld, GemmConfig::kStoreChunkCols, 64);
+}
+
 template <KernelKind kKind>
 void launch(GemmOperands operands, int64_t max_tiles, int max_ctas, cudaStream_t stream) {
   const DeviceInfo& info = device_info();
   operands.args.error_flag = info.error_flag;
   const int ctas = max_ctas > 0 ? std::min(max_ctas, info.num_sms) : info.num_sms;
   const int grid = static_cast<int>(std::min<int64_t>(ctas, max_tiles));
-  gemm::grouped_gemm_kernel<kKind><<<grid, GemmConfig::kNumThreads, gemm::kSharedBytes, stream>>>(
-      operands.a, operands.b0, operands.b1, operands.args);
+  gemm::grouped_gemm_kernel<kKind><<<grid, GemmConfig::kNumThreads, shared_bytes_of<kKind>(), stream>>>(
+      operands.a, operands.b0, operands.b1, operands.out, operands.args);
   POUNCE_GEMM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -262,6 +276,7 @@ GemmOperands store_operands(const GroupedRows& rows, const void* a, const void* 
   if (rows.max_rows == 0) return o;  // no rows to map: the launchers stop here
   o.a = activation_map(rows, a, k);
   o.b0 = o.b1 = weight_map(b, rows.num_groups, n, k, GemmConfig::BLOCK_N);
+  o.out.out[0] = output_map(rows, c, n, n);
   return o;
 }
 
@@ -288,6 +303,9 @@ GemmOperands gate_up_operands(const GroupedRows& rows, const void* a, const void
   o.a = activation_map(rows, a, k);
   o.b0 = weight_map(w_gate, rows.num_groups, n, k, GemmConfig::BLOCK_N / 2);
   o.b1 = weight_map(w_up, rows.num_groups, n, k, GemmConfig::BLOCK_N / 2);
+  o.out.out[0] = output_map(rows, g, n, n);
+  o.out.out[1] = output_map(rows, u, n, n);
+  o.out.out[2] = output_map(rows, act, n, n);
   return o;
 }
 
@@ -331,6 +349,7 @@ GemmOperands transposed_operands(const GroupedRows& rows, const void* a, const v
   o.a = activation_map(rows, a, k);
   o.b0 = transposed_weight_map(b0, rows.num_groups, k_split, n);
   o.b1 = k_split == k ? o.b0 : transposed_weight_map(b1, rows.num_groups, k - k_split, n);
+  o.out.out[0] = output_map(rows, c, n, n);
   return o;
 }
 

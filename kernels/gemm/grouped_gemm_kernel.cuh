@@ -10,8 +10,9 @@
 //
 // Warps: warpgroup 0 is the producer (one thread issues TMA loads of A and B tiles into a kNumStages ring,
 // 128-byte swizzled); warpgroups 1 and 2 are consumers, each owning 64 of the BLOCK_M = 128 tile rows and
-// issuing wgmma m64n256k16 with fp32 accumulators in registers, then storing bf16 straight from registers
-// (16-byte stores after a quad transpose).
+// issuing wgmma m64n256k16 with fp32 accumulators in registers, then storing bf16 through shared memory and
+// TMA stores (tma_store.cuh; the standalone launches), or straight from registers (16-byte stores after a
+// quad transpose; the fused kernels' epilogues, whose readers are other CTAs of the same launch).
 // Handoffs: full[s] completes when a stage's bytes landed (TMA transaction count); empty[s] completes when
 // all 8 consumer warps finished the wgmmas that read it. Every wait is bounded: on timeout the waiter writes
 // an error code to args.error_flag and leaves, so a broken input fails the call instead of hanging.
@@ -26,139 +27,12 @@
 
 #include "kernels/common/ptx.cuh"
 #include "kernels/gemm/activation.cuh"
+#include "kernels/gemm/gemm_config.cuh"
 #include "kernels/gemm/grouped_gemm.h"
 #include "kernels/gemm/tile_scheduler.cuh"
+#include "kernels/gemm/tma_store.cuh"
 
 namespace pounce::kernels::gemm {
-
-// ---------------------------------------------------------------------------------------------------
-// Config
-// ---------------------------------------------------------------------------------------------------
-enum class Epilogue {
-  kStore,               // bf16 C
-  kGateUpActivation,    // g, u, act = act(g, u)
-  kActivationBackward,  // d_a = bf16(acc); d_g, d_u = bf16(act'(g, u) d_a), g and u read from in0 / in1
-  kWeightGrad,          // fp32 store, fp32 accumulate or bf16 store (args.weight_grad_mode), rows < m only
-};
-enum class Major { kK, kMN };  // which extent of an operand is contiguous in memory
-enum class Grouping {
-  kRows,       // groups own row segments of A and C; B has one matrix per group
-  kReduction,  // groups own segments of the reduction rows; C has one matrix per group
-};
-
-// What one kernel instantiation computes (a structural template parameter).
-struct GemmKind {
-  Epilogue epilogue;
-  Major a;
-  Major b;
-  Grouping grouping;
-};
-// The kinds the layer uses. Kernels are instantiated on this enum (nvcc's host stubs cannot spell a
-// class-type template argument); device code works with the GemmKind it names.
-enum class KernelKind { kForwardStore, kForwardGateUp, kDataGrad, kDataGradActivation, kWeightGrad };
-constexpr GemmKind gemm_kind(KernelKind kind) {
-  switch (kind) {
-    case KernelKind::kForwardStore:
-      return {Epilogue::kStore, Major::kK, Major::kK, Grouping::kRows};
-    case KernelKind::kForwardGateUp:
-      return {Epilogue::kGateUpActivation, Major::kK, Major::kK, Grouping::kRows};
-    case KernelKind::kDataGrad:
-      return {Epilogue::kStore, Major::kK, Major::kMN, Grouping::kRows};
-    case KernelKind::kDataGradActivation:
-      return {Epilogue::kActivationBackward, Major::kK, Major::kMN, Grouping::kRows};
-    case KernelKind::kWeightGrad:
-      break;
-  }
-  return {Epilogue::kWeightGrad, Major::kMN, Major::kMN, Grouping::kReduction};
-}
-
-enum class WaitError : int32_t { kNone = 0, kFullStage = 1, kEmptyStage = 2, kRowsExceedCapacity = 3 };
-
-struct GemmConfig {
-  static constexpr int BLOCK_M = 128;
-  static constexpr int BLOCK_N = 256;  // B rows per stage (gate/up: 128 gate + 128 up)
-  static constexpr int BLOCK_K = 64;
-  static constexpr int kBoxMN = 64;  // MN-major operands arrive in boxes of 64 contiguous elements x BLOCK_K
-  static constexpr uint32_t kBoxBytes = kBoxMN * BLOCK_K * 2;
-  static constexpr int kNumStages = 4;
-  static constexpr int kNumConsumerWarpgroups = 2;
-  static constexpr int kNumThreads = 128 * (1 + kNumConsumerWarpgroups);
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
-  static constexpr int kMChunk = 8;  // scheduler: m-blocks that share weights in L2
-  static constexpr uint32_t kStageBytesA = BLOCK_M * BLOCK_K * 2;
-  static constexpr uint32_t kStageBytesB = BLOCK_N * BLOCK_K * 2;
-  static constexpr uint64_t kWaitTimeoutNs = 4'000'000'000ull;  // far above any legitimate stall
-
-  static_assert(BLOCK_K * 2 == 128, "a K block must be one 128-byte swizzle row; fix: BLOCK_K = 64 for bf16");
-  static_assert(BLOCK_M == 64 * kNumConsumerWarpgroups,
-                "each consumer warpgroup owns 64 rows (wgmma m64); fix: BLOCK_M = 64 * consumer warpgroups");
-  static_assert(BLOCK_M % kBoxMN == 0 && BLOCK_N % kBoxMN == 0 && kBoxMN * 2 == 128,
-                "MN-major tiles are whole 128-byte boxes; fix: BLOCK_M, BLOCK_N multiples of 64");
-  static_assert(BLOCK_N == 256, "the mainloop issues wgmma m64n256k16; fix: add a wgmma wrapper for other N");
-  static_assert(
-      BLOCK_M % BLOCK_K == 0,
-      "weight gradients split K at group offsets (multiples of BLOCK_M); fix: BLOCK_M % BLOCK_K == 0");
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kNumConsumerWarpgroups <= 65536,
-                "register file overcommitted; fix: lower kConsumerRegs or kProducerRegs");
-};
-
-// Output column block width: the full B tile, or half of it for gate/up (gate and up share columns).
-template <Epilogue kEpilogue>
-inline constexpr int kOutBlockN =
-    kEpilogue == Epilogue::kGateUpActivation ? GemmConfig::BLOCK_N / 2 : GemmConfig::BLOCK_N;
-
-struct GroupedGemmArgs {
-  const int32_t* group_row_offset;  // [num_groups + 1] rows, multiples of BLOCK_M
-  int num_groups;
-  int32_t max_m_blocks;  // capacity / BLOCK_M (kRows)
-  int32_t m;             // output rows per group (kReduction)
-  int32_t n;
-  int32_t k;
-  int32_t k_split;           // MN-major B of kRows: K rows [0, k_split) from tmap_b0, the rest from tmap_b1
-  int64_t out_ld;            // row stride of out0 / out1 in elements
-  __nv_bfloat16* out0;       // C, g, or d_g
-  __nv_bfloat16* out1;       // u, or d_u
-  __nv_bfloat16* out2;       // act (gate/up only)
-  const __nv_bfloat16* in0;  // g (activation backward), row stride n
-  const __nv_bfloat16* in1;  // u (activation backward)
-  void* weight_grad;         // [num_groups][m][n] fp32 or bf16
-  const int32_t* group_active;  // kReduction: [num_groups], 0 = leave that group's output alone; null = all
-  WeightGradMode weight_grad_mode;
-  ActivationParams activation;
-  int32_t* error_flag;  // first WaitError recorded by any CTA
-};
-
-// ---------------------------------------------------------------------------------------------------
-// Shared storage
-// ---------------------------------------------------------------------------------------------------
-struct SharedStorage {
-  struct alignas(1024) Stage {
-    __nv_bfloat16 a[GemmConfig::BLOCK_M * GemmConfig::BLOCK_K];  // 16 KB, 128B-swizzled rows of 64
-    __nv_bfloat16 b[GemmConfig::BLOCK_N * GemmConfig::BLOCK_K];  // 32 KB
-  };
-  Stage stages[GemmConfig::kNumStages];
-  uint64_t full[GemmConfig::kNumStages];   // producer -> consumers: stage bytes landed
-  uint64_t empty[GemmConfig::kNumStages];  // consumers -> producer: stage may be overwritten
-};
-static_assert(
-    sizeof(SharedStorage::Stage) % 1024 == 0,
-    "stages must keep 1024-byte alignment for the 128B swizzle; fix: BLOCK_M/BLOCK_N multiples of 8");
-inline constexpr size_t kSharedBytes = sizeof(SharedStorage) + 1024;  // + slack to align the base
-static_assert(kSharedBytes <= 227 * 1024, "shared storage exceeds 227 KB per block; fix: fewer stages");
-
-// ---------------------------------------------------------------------------------------------------
-// Small helpers
-// ---------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void record_error(int32_t* flag, WaitError code) {
-  atomicCAS(flag, 0, static_cast<int32_t>(code));
-}
-
-template <int N>
-__device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) ptx::fence_operand(acc[i]);
-}
 
 // ---------------------------------------------------------------------------------------------------
 // Tile walk: producer and consumers run the same scheduler, so they agree on every tile and its K range.
@@ -202,19 +76,23 @@ struct TileWalk {
 // ---------------------------------------------------------------------------------------------------
 // Producer side of one tile.
 // ---------------------------------------------------------------------------------------------------
-// The stage ring's position, carried from tile to tile (and across GEMM kinds in the fused kernels).
-struct RingPosition {
+// The stage ring's position over its first kStages stages, carried from tile to tile (and across GEMM kinds
+// in the fused kernels, which use all of them).
+template <int kStages>
+struct StageRing {
+  static_assert(kStages >= 2 && kStages <= GemmConfig::kNumStages, "a ring of 2..kNumStages stages");
   uint32_t stage = 0;
   uint32_t phase = 0;
   __device__ __forceinline__ void advance() {
-    if (++stage == GemmConfig::kNumStages) stage = 0, phase ^= 1;
+    if (++stage == kStages) stage = 0, phase ^= 1;
   }
 };
+using RingPosition = StageRing<GemmConfig::kNumStages>;
 
 // Loads the K blocks [kb_begin, kb_end) of one tile into the ring. False when a stage never became free
 // (recorded in args.error_flag).
-template <GemmKind kKind>
-__device__ __forceinline__ bool produce_tile(SharedStorage& ss, RingPosition& ring, const CUtensorMap& tmap_a,
+template <GemmKind kKind, typename Ring>
+__device__ __forceinline__ bool produce_tile(SharedStorage& ss, Ring& ring, const CUtensorMap& tmap_a,
                                              const CUtensorMap& tmap_b0, const CUtensorMap& tmap_b1,
                                              const GroupedGemmArgs& args, const Tile& tile, int32_t kb_begin,
                                              int32_t kb_end) {
@@ -273,7 +151,7 @@ __device__ __forceinline__ void run_producer(SharedStorage& ss, const CUtensorMa
                                              const CUtensorMap& tmap_b0, const CUtensorMap& tmap_b1,
                                              const GroupedGemmArgs& args) {
   TileWalk<kKind> walk(args);
-  RingPosition ring;
+  StageRing<epilogue_layout(kKind.epilogue).stages> ring;
   Tile tile;
   int32_t kb_begin = 0, kb_end = 0;
   while (walk.next(tile, kb_begin, kb_end)) {
@@ -467,6 +345,51 @@ __device__ __forceinline__ void store_weight_grad_zeros(const GroupedGemmArgs& a
 }
 
 // ---------------------------------------------------------------------------------------------------
+// The bf16 stores of C and of gate/up through the store chunks (tma_store.cuh): the same values, TMA stores.
+// Columns at or beyond n are skipped per 64-column chunk (n % 64 == 0).
+// ---------------------------------------------------------------------------------------------------
+// The packed bf16 pair of accumulator unit j (columns 8j + 2q, +1), row half h.
+__device__ __forceinline__ uint32_t packed_pair(const float (&acc)[128], int j, int h) {
+  return ptx::pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+}
+
+// Columns [col_block, col_block + BLOCK_N) of C (or of a weight gradient D[group]), 4 chunks.
+template <typename Chunks>
+__device__ __forceinline__ void store_chunks_bf16(const float (&acc)[128], Chunks& chunks,
+                                                  const ChunkTarget& target, int32_t n, int32_t col_block) {
+#pragma unroll
+  for (int c = 0; c < GemmConfig::BLOCK_N / GemmConfig::kStoreChunkCols; ++c) {
+    const int32_t col = col_block + c * GemmConfig::kStoreChunkCols;
+    if (col >= n) break;
+    write_chunk(chunks.buffer(), [&](int u, int h) { return packed_pair(acc, 8 * c + u, h); });
+    chunks.publish([&](uint32_t buffer) { target.store(col, buffer); });
+  }
+}
+
+// g (accumulator units 0..15), u (16..31) and act of the same 128 columns: per 64 columns a chunk of each.
+template <typename Chunks>
+__device__ __forceinline__ void store_gate_up_chunks(const float (&acc)[128], Chunks& chunks,
+                                                     const OutputMaps& maps, const GroupedGemmArgs& args,
+                                                     int32_t row, int32_t col_block) {
+  constexpr int kUpUnits = kOutBlockN<Epilogue::kGateUpActivation> / 8;
+#pragma unroll
+  for (int c = 0; c < kOutBlockN<Epilogue::kGateUpActivation> / GemmConfig::kStoreChunkCols; ++c) {
+    const int32_t col = col_block + c * GemmConfig::kStoreChunkCols;
+    if (col >= args.n) break;
+    write_chunk(chunks.buffer(), [&](int u, int h) { return packed_pair(acc, 8 * c + u, h); });
+    chunks.publish([&](uint32_t buffer) { ptx::tma_store_2d(&maps.out[0], buffer, col, row); });
+    write_chunk(chunks.buffer(), [&](int u, int h) { return packed_pair(acc, kUpUnits + 8 * c + u, h); });
+    chunks.publish([&](uint32_t buffer) { ptx::tma_store_2d(&maps.out[1], buffer, col, row); });
+    write_chunk(chunks.buffer(), [&](int u, int h) {
+      const uint32_t g = packed_pair(acc, 8 * c + u, h), up = packed_pair(acc, kUpUnits + 8 * c + u, h);
+      return ptx::pack_bf16x2(apply_activation(bf16_lo(g), bf16_lo(up), args.activation),
+                              apply_activation(bf16_hi(g), bf16_hi(up), args.activation));
+    });
+    chunks.publish([&](uint32_t buffer) { ptx::tma_store_2d(&maps.out[2], buffer, col, row); });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Consumer side of one tile.
 // ---------------------------------------------------------------------------------------------------
 template <Major kMajor>
@@ -489,10 +412,10 @@ struct ReleaseToProducer {
 // Multiplies this warpgroup's 64 rows of one tile over K blocks [kb_begin, kb_end) into `acc`; every thread
 // calls `release(stage)` once a stage's wgmmas are done (CTA pairs also arrive on the peer's barrier). False
 // when a stage never filled (recorded in args.error_flag).
-template <GemmKind kKind, typename Release>
-__device__ __forceinline__ bool multiply_tile(SharedStorage& ss, RingPosition& ring,
-                                              const GroupedGemmArgs& args, int32_t kb_begin, int32_t kb_end,
-                                              int consumer_idx, float (&acc)[128], Release release) {
+template <GemmKind kKind, typename Ring, typename Release>
+__device__ __forceinline__ bool multiply_tile(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
+                                              int32_t kb_begin, int32_t kb_end, int consumer_idx,
+                                              float (&acc)[128], Release release) {
   using C = GemmConfig;
   // This warpgroup's 64 rows of A: rows 64c.. of a K-major tile, or box c of an M-major one; both 8 KB in.
   const uint32_t a_offset_bytes = consumer_idx * 64 * C::BLOCK_K * 2;
@@ -526,10 +449,10 @@ __device__ __forceinline__ bool multiply_tile(SharedStorage& ss, RingPosition& r
   if (kb_end > kb_begin) release(prev_stage);
   return true;
 }
-template <GemmKind kKind>
-__device__ __forceinline__ bool multiply_tile(SharedStorage& ss, RingPosition& ring,
-                                              const GroupedGemmArgs& args, int32_t kb_begin, int32_t kb_end,
-                                              int consumer_idx, float (&acc)[128]) {
+template <GemmKind kKind, typename Ring>
+__device__ __forceinline__ bool multiply_tile(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
+                                              int32_t kb_begin, int32_t kb_end, int consumer_idx,
+                                              float (&acc)[128]) {
   return multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, ReleaseToProducer{ss});
 }
 
@@ -562,11 +485,27 @@ __device__ __forceinline__ void store_tile(const float (&acc)[128], const Groupe
   }
 }
 
+// store_tile through the store chunks (the kinds whose epilogue_layout has chunks).
+template <GemmKind kKind, typename Chunks>
+__device__ __forceinline__ void store_tile_through_smem(const float (&acc)[128], const GroupedGemmArgs& args,
+                                                        const OutputMaps& maps, const Tile& tile,
+                                                        int consumer_idx, Chunks& chunks) {
+  const int32_t row = tile.m_block * GemmConfig::BLOCK_M + consumer_idx * 64;  // the warpgroup's first
+  const int32_t col_block = tile.n_block * kOutBlockN<kKind.epilogue>;
+  if constexpr (kKind.epilogue == Epilogue::kStore) {
+    store_chunks_bf16(acc, chunks, ChunkTarget{&maps.out[0], row}, args.n, col_block);
+  } else {
+    static_assert(kKind.epilogue == Epilogue::kGateUpActivation,
+                  "C and gate/up only: the other epilogues store per lane (epilogue_layout)");
+    store_gate_up_chunks(acc, chunks, maps, args, row, col_block);
+  }
+}
+
 // Multiply, then store. False when a stage never filled.
-template <GemmKind kKind>
-__device__ __forceinline__ bool consume_tile(SharedStorage& ss, RingPosition& ring,
-                                             const GroupedGemmArgs& args, const Tile& tile, int32_t kb_begin,
-                                             int32_t kb_end, int consumer_idx, float (&acc)[128]) {
+template <GemmKind kKind, typename Ring>
+__device__ __forceinline__ bool consume_tile(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
+                                             const Tile& tile, int32_t kb_begin, int32_t kb_end,
+                                             int consumer_idx, float (&acc)[128]) {
   if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc)) return false;
   store_tile<kKind>(acc, args, tile, kb_end > kb_begin, consumer_idx);
   return true;
@@ -576,14 +515,25 @@ __device__ __forceinline__ bool consume_tile(SharedStorage& ss, RingPosition& ri
 // one wgmma group stays in flight while the next is issued.
 template <GemmKind kKind>
 __device__ __forceinline__ void run_consumer(SharedStorage& ss, const GroupedGemmArgs& args,
-                                             int consumer_idx) {
+                                             const OutputMaps& maps, int consumer_idx) {
+  constexpr EpilogueLayout kLayout = epilogue_layout(kKind.epilogue);
   TileWalk<kKind> walk(args);
-  RingPosition ring;
+  StageRing<kLayout.stages> ring;
   float acc[128];
   Tile tile;
   int32_t kb_begin = 0, kb_end = 0;
-  while (walk.next(tile, kb_begin, kb_end)) {
-    if (!consume_tile<kKind>(ss, ring, args, tile, kb_begin, kb_end, consumer_idx, acc)) return;
+  if constexpr (kLayout.chunks > 0) {
+    StoreChunkRing<kLayout.chunks> chunks(ss, kLayout, consumer_idx);
+    while (walk.next(tile, kb_begin, kb_end)) {
+      if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc)) break;
+      store_tile_through_smem<kKind>(acc, args, maps, tile, consumer_idx, chunks);
+    }
+    chunks.drain();
+  } else {
+    while (walk.next(tile, kb_begin, kb_end)) {
+      if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc)) break;
+      store_tile<kKind>(acc, args, tile, kb_end > kb_begin, consumer_idx);
+    }
   }
 }
 
@@ -605,7 +555,8 @@ template <KernelKind kKernelKind>
 __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                         const __grid_constant__ CUtensorMap tmap_b0,
-                        const __grid_constant__ CUtensorMap tmap_b1, const GroupedGemmArgs args) {
+                        const __grid_constant__ CUtensorMap tmap_b1,
+                        const __grid_constant__ OutputMaps out_maps, const GroupedGemmArgs args) {
   using C = GemmConfig;
   constexpr GemmKind kKind = gemm_kind(kKernelKind);
   // Shared memory: the dynamic base aligned up to 1024 bytes for the 128B swizzle atoms.
@@ -635,7 +586,7 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     if (threadIdx.x == 0) run_producer<kKind>(ss, tmap_a, tmap_b0, tmap_b1, args);
   } else {
     ptx::setmaxnreg_inc<C::kConsumerRegs>();
-    run_consumer<kKind>(ss, args, warpgroup_idx - 1);
+    run_consumer<kKind>(ss, args, out_maps, warpgroup_idx - 1);
   }
 }
 
