@@ -328,20 +328,47 @@ __device__ __forceinline__ void run_producer(const layout::WorkspacePointers& ws
 // A consumer warpgroup: `consume(task, ring, acc, done)` multiplies this warpgroup's rows of one task and
 // stores them (false: a stage never filled, recorded); `done`, when set, is the counter to bump once the
 // warpgroup's stores are all issued.
+// Under ws.profile_tiles, the first thread of each consumer warpgroup adds its time per task kind and its
+// handoff waits to the kFusedTileProfile slots.
+class TileProfile {
+ public:
+  __device__ explicit TileProfile(const layout::WorkspacePointers& ws)
+      : slots_(ws.profile_tiles != 0 && threadIdx.x % 128 == 0
+                   ? reinterpret_cast<unsigned long long*>(ws.fused_counters + layout::kFusedTileProfile)
+                   : nullptr) {}
+  __device__ uint64_t now() const { return slots_ != nullptr ? flags::global_timer_ns() : 0; }
+  __device__ void task(int kind, uint64_t handed_over, uint64_t finished) {
+    if (slots_ == nullptr || kind < 0 || kind >= layout::kMaxProfiledKinds) return;
+    atomicAdd(slots_ + layout::kProfileKindNs + kind, finished - handed_over);
+    atomicAdd(slots_ + layout::kProfileKindTasks + kind, 1ull);
+  }
+  __device__ void handoff(uint64_t from, uint64_t to) {
+    if (slots_ != nullptr) atomicAdd(slots_ + layout::kProfileHandoffNs, to - from);
+  }
+
+ private:
+  unsigned long long* slots_;
+};
+
 template <typename TaskT, typename Consume>
 __device__ __forceinline__ void run_consumer(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
                                              int consumer_idx, Consume&& consume) {
   kernels::gemm::RingPosition ring;
   float acc[128];
+  TileProfile profile(ws);
   for (uint32_t i = 0;; ++i) {
     TaskT task;
+    const uint64_t waited_from = profile.now();
     if (!take_over(ws, slots, i, task) || task.kind == decltype(task.kind)::kEnd) return;
+    const uint64_t handed_over = profile.now();
+    profile.handoff(waited_from, handed_over);
     uint32_t* done = nullptr;
     if (!consume(task, ring, acc, done)) {
       fail(ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 1, 0);
       return;
     }
     if (done != nullptr) count_tile_stored(done, consumer_idx);
+    profile.task(static_cast<int>(task.kind), handed_over, profile.now());
   }
 }
 
@@ -354,9 +381,9 @@ __device__ __forceinline__ kernels::gemm::SharedStorage& stage_storage() {
 
 // A compute CTA: the producer warpgroup gives registers to the consumers; its thread 0 runs the producer
 // loop with the scheduler built from `params` in shared memory, the two consumer warpgroups run `consume`,
-// then `finish()`. `finish` runs here, inside the consumers' branch: code after the branches join is
-// compiled for the producer's kProducerRegs registers (ptxas takes the smaller budget at the join) and
-// spills.
+// then `finish()`. `finish` runs here, inside the consumers'
+// branch: code after the branches join is compiled for the producer's kProducerRegs registers (ptxas takes
+// the smaller budget at the join) and spills.
 template <typename TaskT, typename Scheduler, typename Params, typename Produce, typename Consume,
           typename Finish>
 __device__ __forceinline__ void run_compute_cta(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,

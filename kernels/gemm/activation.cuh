@@ -7,13 +7,24 @@
 
 namespace pounce::kernels::gemm {
 
+// 1 / (1 + exp(-x)). On the GPU with the hardware's approximate exp2 and reciprocal (a few ulp in fp32, far
+// inside the DESIGN.md §6 tolerances, and shared by the staged and fused kernels, which stay bitwise equal):
+// the epilogues evaluate it with the tensor cores idle, and the exact forms cost about twice the
+// instructions. The host keeps the exact forms.
+__host__ __device__ inline float sigmoid(float x) {
+#ifdef __CUDA_ARCH__
+  return __fdividef(1.0f, 1.0f + __expf(-x));
+#else
+  return 1.0f / (1.0f + expf(-x));
+#endif
+}
+
 // SwiGLU: silu(g') * u'. GPT-OSS: (u' + 1) * g' * sigmoid(alpha * g'). g' = min(g, L), u' = clamp(u, -L, L).
 __host__ __device__ inline float apply_activation(float g, float u, const ActivationParams& p) {
   g = fminf(g, p.clamp_limit);
   u = fmaxf(fminf(u, p.clamp_limit), -p.clamp_limit);
   const float alpha = p.kind == kActivationGptOss ? p.alpha : 1.0f;
-  const float gated =
-      g * (1.0f / (1.0f + expf(-(alpha * g))));  // same association as reference/activation.cpp
+  const float gated = g * sigmoid(alpha * g);  // same association as reference/activation.cpp
   return p.kind == kActivationGptOss ? (u + 1.0f) * gated : gated * u;
 }
 
@@ -25,7 +36,7 @@ __host__ __device__ inline void apply_activation_backward(float g, float u, floa
   g = fminf(g, p.clamp_limit);
   u = fmaxf(fminf(u, p.clamp_limit), -p.clamp_limit);
   const float alpha = p.kind == kActivationGptOss ? p.alpha : 1.0f;
-  const float s = 1.0f / (1.0f + expf(-(alpha * g)));
+  const float s = sigmoid(alpha * g);
   const float gated = g * s;
   const float d_gated = s + alpha * g * s * (1.0f - s);
   const float u_factor = p.kind == kActivationGptOss ? u + 1.0f : u;

@@ -103,7 +103,18 @@ enum FusedStepTime : int32_t {
   kNumStepTimes = 5
 };
 inline constexpr int64_t kFusedStepTimes = kFusedGridReleased + kNumGridSteps;  // even: 8-byte aligned
-inline constexpr int64_t kFusedHeaderWords = kFusedStepTimes + 2 * kNumStepTimes;
+// Where the compute CTAs' time went (uint64 each, summed over consumer warpgroups, written only when
+// WorkspacePointers::profile_tiles is set): per task kind k (its enum value) the ns spent on its tasks
+// (mainloop, epilogue, count) and their number, and the ns spent waiting for a task to be handed over.
+inline constexpr int kMaxProfiledKinds = 8;
+enum FusedTileProfile : int32_t {
+  kProfileKindNs = 0,
+  kProfileKindTasks = kMaxProfiledKinds,
+  kProfileHandoffNs = 2 * kMaxProfiledKinds,
+  kNumProfileSlots
+};
+inline constexpr int64_t kFusedTileProfile = kFusedStepTimes + 2 * kNumStepTimes;  // even
+inline constexpr int64_t kFusedHeaderWords = kFusedTileProfile + 2 * kNumProfileSlots;
 
 struct DeviceErrorRecord {
   int32_t code;      // DeviceErrorCode
@@ -285,6 +296,7 @@ struct WorkspacePointers {
   int64_t ring_rows;         // == rows_capacity without a ring
   int32_t max_macrobatches;  // 1 without a ring
   uint64_t timeout_ns;       // bound of every spin-wait
+  int32_t profile_tiles;     // 1: the fused kernels fill kFusedTileProfile (POUNCE_PROFILE_STAGES)
 
   char* symmetric;            // this rank's symmetric base
   const uint64_t* peer_base;  // [R]

@@ -242,6 +242,7 @@ layout::WorkspacePointers GpuWorkspace::pointers() const {
   p.routing_stride = l.routing_stride;
   p.max_chunks = l.max_chunks;
   p.timeout_ns = timeout_ns;
+  p.profile_tiles = std::getenv("POUNCE_PROFILE_STAGES") != nullptr ? 1 : 0;
   p.symmetric = static_cast<char*>(symmetric);
   p.peer_base = static_cast<const uint64_t*>(at(l.loc_peer_base));
   p.sym_barrier_inbox = l.sym_barrier_inbox;

@@ -152,6 +152,9 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
   }
   launch_context_restore(workspace, args, activation, stream);
   timer.mark("fused");
+  report_tile_profile(p, "backward",
+                      {"", "shared d_a", "shared d_x", "d_a", "d_x", "weight grad", "replayed gate/up"},
+                      stream);
   launch_backward_epilogue(workspace, args, launch, timer, stream);
 }
 

@@ -75,6 +75,7 @@ void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) 
       ms(layout::kTimeRoutingReleased, layout::kTimeCountedReleased),
       ms(layout::kTimePlacedReleased, layout::kTimeLastFinished),
       ms(layout::kTimeLastFinished, layout::kTimeCombineBarrier));
+  report_tile_profile(p, "forward", {"", "shared gate/up", "shared down", "gate/up", "down"}, stream);
 }
 
 // Zeroed counters (a memset node in a captured graph), then the kernel, cooperatively: the grid steps

@@ -6,9 +6,11 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -62,5 +64,41 @@ class StageTimer {
   bool enabled_;
   std::vector<std::pair<const char*, cudaEvent_t>> marks_;
 };
+
+// Under POUNCE_PROFILE_STAGES, after a fused kernel: its consumer warpgroups' time per task kind (named in
+// `kinds` by enum value) and waiting for tasks (kernels/layout kFusedTileProfile). Synchronises the stream;
+// skipped while capturing.
+inline void report_tile_profile(const layout::WorkspacePointers& p, const char* pass,
+                                std::initializer_list<const char*> kinds, cudaStream_t stream) {
+  if (p.profile_tiles == 0) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone)
+    return;
+  unsigned long long slots[layout::kNumProfileSlots] = {};
+  if (cudaMemcpyAsync(slots, p.fused_counters + layout::kFusedTileProfile, sizeof(slots),
+                      cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
+      cudaStreamSynchronize(stream) != cudaSuccess)
+    return;
+  std::string line =
+      std::string("pounce profile rank ") + std::to_string(p.rank) + " fused " + pass + " tiles:";
+  double busy_ms = 0.0;
+  int kind = 0;
+  for (const char* name : kinds) {
+    const unsigned long long tasks = slots[layout::kProfileKindTasks + kind];
+    const double ms = slots[layout::kProfileKindNs + kind] * 1e-6;
+    busy_ms += ms;
+    if (tasks > 0) {
+      char item[160];
+      std::snprintf(item, sizeof(item), " %s %llu x %.1f us,", name, tasks, ms * 1e3 / tasks);
+      line += item;
+    }
+    ++kind;
+  }
+  const double handoff_ms = slots[layout::kProfileHandoffNs] * 1e-6;
+  char tail[160];
+  std::snprintf(tail, sizeof(tail), " waiting for tasks %.1f %% of the warpgroups' time",
+                100.0 * handoff_ms / std::max(busy_ms + handoff_ms, 1e-9));
+  std::fprintf(stderr, "%s%s\n", line.c_str(), tail);
+}
 
 }  // namespace pounce::gpu
