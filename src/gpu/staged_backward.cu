@@ -46,14 +46,20 @@ void launch_mlp_data_grads(const MlpBackward& m, int first_group, int num_groups
                                    expert_slice(m.weights.up, first_group), I, m.dx, H, 2 * I, stream);
 }
 
-void launch_mlp_weight_grads(const MlpBackward& m, int64_t H, bool accumulate, cudaStream_t stream) {
+// The down gradient on m.rows.max_ctas SMs, the gate and up gradients on `later_ctas`: the routed ones run
+// after the last chunk's d_x push has had the down gradient's time (0.4 ms of deepseek's 3 ms) to finish, so
+// they take the communication SMs too (a CTA whose SM is still pushing starts a little late).
+void launch_mlp_weight_grads(const MlpBackward& m, int64_t H, bool accumulate, int later_ctas,
+                             cudaStream_t stream) {
   const int64_t I = m.intermediate;
   const void* d_u = static_cast<const char*>(m.d_gu) + I * 2;
   kernels::grouped_weight_grad(m.rows, m.dy, H, H, m.act, I, I, m.grads->down.data,
                                weight_grad_mode(m.grads->down, accumulate), stream);
-  kernels::grouped_weight_grad(m.rows, m.d_gu, 2 * I, I, m.x, H, H, m.grads->gate.data,
+  kernels::GroupedRows later = m.rows;
+  later.max_ctas = later_ctas;
+  kernels::grouped_weight_grad(later, m.d_gu, 2 * I, I, m.x, H, H, m.grads->gate.data,
                                weight_grad_mode(m.grads->gate, accumulate), stream);
-  kernels::grouped_weight_grad(m.rows, d_u, 2 * I, I, m.x, H, H, m.grads->up.data,
+  kernels::grouped_weight_grad(later, d_u, 2 * I, I, m.x, H, H, m.grads->up.data,
                                weight_grad_mode(m.grads->up, accumulate), stream);
 }
 
@@ -161,7 +167,8 @@ void launch_macrobatch_backward(GpuWorkspace& workspace, const BackwardArgs& arg
   if (with_shared) {
     const MlpBackward shared = shared_mlp_backward(p, args, overlap.gemm_ctas());
     if (Is > 0 && launch.num_tokens > 0) launch_mlp_data_grads(shared, 0, 1, H, activation, stream);
-    if (Is > 0) launch_mlp_weight_grads(shared, H, args.accumulate_weight_grads, stream);
+    if (Is > 0)
+      launch_mlp_weight_grads(shared, H, args.accumulate_weight_grads, shared.rows.max_ctas, stream);
     timer.mark("shared");
   }
   // Routed experts, chunk by chunk: data gradients, then the reverse-dispatch push on the comm stream.
@@ -178,7 +185,7 @@ void launch_macrobatch_backward(GpuWorkspace& workspace, const BackwardArgs& arg
   POUNCE_CUDA(cudaGetLastError());
   timer.mark("data_grad_chunks");
   // Weight gradients over every expert's whole segment (experts without rows get zeros).
-  launch_mlp_weight_grads(routed, H, args.accumulate_weight_grads, stream);
+  launch_mlp_weight_grads(routed, H, args.accumulate_weight_grads, workspace.num_sms, stream);
   timer.mark("weight_grads");
   overlap.main_after_comm();  // the next macrobatch overwrites the ring rows these transfers read
   timer.mark("join");

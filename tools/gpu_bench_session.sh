@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# GPU machine, repo root, build folder carried: the closing call of a session. The whole gpu suite, then the
+# benchmark against the same-run PyTorch baseline (EP2, 8192 tokens per rank, forward and forward+backward,
+# both backward paths: JSON + PNG to $OUT), then, while the call's time allows (DEADLINE_S, 540 unless set),
+# the forward at 16384 tokens per rank and on one GPU. A short table last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+. tools/gpu_env.sh
+out="${OUT:-/tmp/pounce_out}"
+mkdir -p "$out"
+start=$(date +%s)
+left() { echo $(( ${DEADLINE_S:-540} - ($(date +%s) - start) )); }
+summary=()
+presets="${BENCH_PRESETS:-qwen3-30b-a3b gpt-oss-120b deepseek-v3}"
+timeout 260 ./build/tests/pounce_gpu_tests >"$out/gpu_suite.log" 2>&1
+summary+=("gpu suite: rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/gpu_suite.log" | tr '\n' ' ')")
+grep -E "^\[  FAILED|Failure" "$out/gpu_suite.log" | head -12
+bench() {  # name, timeout, extra arguments
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" ./build/pounce bench --preset $presets --iters 10 --out "$out/$name.json" "$@" \
+    >"$out/$name.log" 2>&1
+  summary+=("$name: rc=$?")
+}
+bench bench_ep2 240 --tokens 8192 --impl fused fused-all
+[ "$(left)" -gt 100 ] && bench bench_ep2_16384_forward 95 --tokens 16384 --impl fused --pass forward
+[ "$(left)" -gt 70 ] && CUDA_VISIBLE_DEVICES=0 bench bench_ep1_forward 65 --ranks 1 --tokens 8192 --impl fused \
+  --pass forward
+printf '%s\n' "${summary[@]}"
+for log in "$out"/bench_*.log; do
+  echo "== $(basename "$log")"
+  tail -14 "$log"
+done
+exit 0
