@@ -256,38 +256,56 @@ __device__ __forceinline__ void store_gate_up_tile(const float (&acc)[128], cons
 }
 
 // d_a = bf16(acc) (the reference's rounding point), then d_g, d_u = bf16(act'(g, u) d_a) with g and u the
-// bf16 values the forward saved at the same (row, column).
+// bf16 values the forward saved at the same (row, column). g and u of kActivationLoadBatch 32-column groups
+// are loaded before any is used: one memory latency per batch instead of one per group (the loads, not the
+// arithmetic, were most of this epilogue's time).
+inline constexpr int kActivationLoadBatch = 2;
 __device__ __forceinline__ void store_activation_backward_tile(const float (&acc)[128],
                                                                const GroupedGemmArgs& args, int64_t row,
                                                                int32_t col_block, int lane) {
+  const int64_t lane_col = col_block + 8 * (lane % 4);
 #pragma unroll
-  for (int m = 0; m < 8; ++m) {
-    if (col_block + 32 * m >= args.n) break;
+  for (int m0 = 0; m0 < 8; m0 += kActivationLoadBatch) {
+    if (col_block + 32 * m0 >= args.n) break;
+    uint4 g[kActivationLoadBatch][2], u[kActivationLoadBatch][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      uint32_t d_a[4];
+    for (int b = 0; b < kActivationLoadBatch; ++b) {
+      const bool inside = col_block + 32 * (m0 + b) < args.n;  // n % 64 == 0: whole groups
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
-        d_a[c] = ptx::pack_bf16x2(acc[4 * (4 * m + c) + 2 * h], acc[4 * (4 * m + c) + 2 * h + 1]);
-      quad_transpose(d_a, lane);
-      const int64_t col = col_block + 32 * m + 8 * (lane % 4);
-      const uint4 g = *reinterpret_cast<const uint4*>(args.in0 + (row + 8 * h) * args.n + col);
-      const uint4 u = *reinterpret_cast<const uint4*>(args.in1 + (row + 8 * h) * args.n + col);
-      const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
-      uint32_t d_g[4], d_u[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        float dg_lo, du_lo, dg_hi, du_hi;
-        apply_activation_backward(bf16_lo(gw[c]), bf16_lo(uw[c]), bf16_lo(d_a[c]), args.activation, dg_lo,
-                                  du_lo);
-        apply_activation_backward(bf16_hi(gw[c]), bf16_hi(uw[c]), bf16_hi(d_a[c]), args.activation, dg_hi,
-                                  du_hi);
-        d_g[c] = ptx::pack_bf16x2(dg_lo, dg_hi);
-        d_u[c] = ptx::pack_bf16x2(du_lo, du_hi);
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = (row + 8 * h) * args.n + lane_col + 32 * (m0 + b);
+        g[b][h] = inside ? *reinterpret_cast<const uint4*>(args.in0 + at) : make_uint4(0, 0, 0, 0);
+        u[b][h] = inside ? *reinterpret_cast<const uint4*>(args.in1 + at) : make_uint4(0, 0, 0, 0);
       }
-      const int64_t offset = (row + 8 * h) * args.out_ld + col;
-      store_16_bytes(args.out0 + offset, d_g);
-      store_16_bytes(args.out1 + offset, d_u);
+    }
+#pragma unroll
+    for (int b = 0; b < kActivationLoadBatch; ++b) {
+      const int m = m0 + b;
+      if (col_block + 32 * m >= args.n) break;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t d_a[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          d_a[c] = ptx::pack_bf16x2(acc[4 * (4 * m + c) + 2 * h], acc[4 * (4 * m + c) + 2 * h + 1]);
+        quad_transpose(d_a, lane);
+        const uint32_t gw[4] = {g[b][h].x, g[b][h].y, g[b][h].z, g[b][h].w};
+        const uint32_t uw[4] = {u[b][h].x, u[b][h].y, u[b][h].z, u[b][h].w};
+        uint32_t d_g[4], d_u[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          float dg_lo, du_lo, dg_hi, du_hi;
+          apply_activation_backward(bf16_lo(gw[c]), bf16_lo(uw[c]), bf16_lo(d_a[c]), args.activation, dg_lo,
+                                    du_lo);
+          apply_activation_backward(bf16_hi(gw[c]), bf16_hi(uw[c]), bf16_hi(d_a[c]), args.activation, dg_hi,
+                                    du_hi);
+          d_g[c] = ptx::pack_bf16x2(dg_lo, dg_hi);
+          d_u[c] = ptx::pack_bf16x2(du_lo, du_hi);
+        }
+        const int64_t offset = (row + 8 * h) * args.out_ld + lane_col + 32 * m;
+        store_16_bytes(args.out0 + offset, d_g);
+        store_16_bytes(args.out1 + offset, d_u);
+      }
     }
   }
 }
@@ -305,21 +323,35 @@ __device__ __forceinline__ void store_weight_grad_tile(const float (&acc)[128], 
   }
   float* out = static_cast<float*>(args.weight_grad) + matrix;
   const bool accumulate = args.weight_grad_mode == WeightGradMode::kAccumulateF32;
+  // Adding into fp32: the old values of kWeightGradLoadBatch 8-column units are loaded before any is added,
+  // one memory latency per batch (n % 64 == 0: a batch is inside or past n as a whole).
+  constexpr int kWeightGradLoadBatch = 8;
 #pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    const int32_t col = col_block + 8 * j + 2 * (lane % 4);
-    if (col_block + 8 * j >= args.n) break;
+  for (int j0 = 0; j0 < 32; j0 += kWeightGradLoadBatch) {
+    if (col_block + 8 * j0 >= args.n) break;
+    float2 old[kWeightGradLoadBatch][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (row + 8 * h >= args.m) continue;
-      float2* dst = reinterpret_cast<float2*>(out + (row + 8 * h) * args.n + col);
-      float2 value = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-      if (accumulate) {
-        const float2 old = *dst;
-        value.x = __fadd_rn(old.x, value.x);
-        value.y = __fadd_rn(old.y, value.y);
+    for (int b = 0; b < kWeightGradLoadBatch; ++b) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = (row + 8 * h) * args.n + col_block + 8 * (j0 + b) + 2 * (lane % 4);
+        old[b][h] = accumulate && row + 8 * h < args.m ? *reinterpret_cast<const float2*>(out + at)
+                                                       : make_float2(0.0f, 0.0f);
       }
-      *dst = value;
+    }
+#pragma unroll
+    for (int b = 0; b < kWeightGradLoadBatch; ++b) {
+      const int j = j0 + b;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (row + 8 * h >= args.m) continue;
+        float2 value = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        if (accumulate) {
+          value.x = __fadd_rn(old[b][h].x, value.x);
+          value.y = __fadd_rn(old[b][h].y, value.y);
+        }
+        *reinterpret_cast<float2*>(out + (row + 8 * h) * args.n + col_block + 8 * j + 2 * (lane % 4)) = value;
+      }
     }
   }
 }
