@@ -58,45 +58,28 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
                : "memory");
 }
 
-// Whose arrivals a wait acquires: this CTA's threads and copies, or (CTA pairs) another CTA of the cluster's.
-enum class WaitScope { kCta, kCluster };
-
 // True when the phase with parity `parity` has completed (a fresh barrier counts parity 1 as completed).
-template <WaitScope kScope = WaitScope::kCta>
 __device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
   uint32_t done;
-  if constexpr (kScope == WaitScope::kCta) {
-    asm volatile(
-        "{\n"
-        "  .reg .pred p;\n"
-        "  mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-        "  selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-  } else {
-    asm volatile(
-        "{\n"
-        "  .reg .pred p;\n"
-        "  mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        "  selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-  }
+  asm volatile(
+      "{\n"
+      "  .reg .pred p;\n"
+      "  mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+      "  selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
   return done != 0;
 }
 
 // Bounded wait: spins until the phase completes or `timeout_ns` of wall time passed. Returns false on
 // timeout so the caller can record an error code and leave instead of hanging the process.
-template <WaitScope kScope = WaitScope::kCta>
 __device__ __forceinline__ bool mbarrier_wait_parity_bounded(uint64_t* bar, uint32_t parity,
                                                              uint64_t timeout_ns) {
-  if (mbarrier_try_wait_parity<kScope>(bar, parity)) return true;
+  if (mbarrier_try_wait_parity(bar, parity)) return true;
   const uint64_t start = global_timer_ns();
-  while (!mbarrier_try_wait_parity<kScope>(bar, parity)) {
+  while (!mbarrier_try_wait_parity(bar, parity)) {
     if (global_timer_ns() - start > timeout_ns) return false;
   }
   return true;
@@ -128,18 +111,6 @@ __device__ __forceinline__ void tma_load_3d(void* smem_dst, const void* tensor_m
       : "memory");
 }
 
-// The same copy written into the same shared-memory offset of every CTA of the cluster named in
-// `cta_mask`, each completing `bytes` on its own mbarrier at `bar`'s offset.
-__device__ __forceinline__ void tma_load_3d_multicast(void* smem_dst, const void* tensor_map, uint64_t* bar,
-                                                      int32_t c0, int32_t c1, int32_t c2, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], "
-      "[%1, {%2, %3, %4}], [%5], %6;" ::"r"(smem_addr(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar)),
-      "h"(cta_mask)
-      : "memory");
-}
-
 // ---------------------------------------------------------------------------------------------------
 // TMA stores: shared -> global through a tensor map, tracked per issuing thread in bulk async-groups.
 // Out-of-bounds elements of the box are not written. Generic-proxy writes to the source must be ordered
@@ -167,28 +138,6 @@ __device__ __forceinline__ void bulk_wait_group() {
 }
 __device__ __forceinline__ void st_shared_b32(uint32_t smem_byte_addr, uint32_t value) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_byte_addr), "r"(value) : "memory");
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Clusters: this CTA's rank, the cluster-wide barrier, and mbarriers of another CTA of the cluster.
-// ---------------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t cluster_cta_rank() {
-  uint32_t rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-  return rank;
-}
-
-// Every thread of every CTA of the cluster: earlier memory operations (mbarrier inits included) are
-// visible cluster-wide after it.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-}
-
-// One arrival on the mbarrier at `bar`'s offset in CTA `cta` of the cluster.
-__device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t cta) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(cta));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
 // ---------------------------------------------------------------------------------------------------

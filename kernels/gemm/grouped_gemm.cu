@@ -4,13 +4,10 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 #include "kernels/common/tma.h"
 #include "kernels/gemm/gemm_operands.h"
 #include "kernels/gemm/grouped_gemm_kernel.cuh"
-#include "kernels/gemm/pair_gemm_kernel.cuh"
 #include "pounce/error.h"
 
 namespace pounce::kernels {
@@ -39,52 +36,6 @@ void set_shared_limit() {
   POUNCE_GEMM_CUDA_CHECK(cudaFuncSetAttribute(gemm::grouped_gemm_kernel<kKind>,
                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(shared_bytes_of<kKind>())));
-}
-
-constexpr int kPairClusterSize = 2;
-
-// The launch configuration of a pair kernel (pair_gemm_kernel.cuh): clusters of two CTAs along x.
-struct PairLaunch {
-  cudaLaunchAttribute cluster{};
-  cudaLaunchConfig_t config{};
-  PairLaunch(int grid, cudaStream_t stream) {
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = kPairClusterSize;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    config.gridDim = dim3(static_cast<unsigned>(grid));
-    config.blockDim = dim3(GemmConfig::kNumThreads);
-    config.dynamicSmemBytes = gemm::kSharedBytes;
-    config.stream = stream;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-  }
-};
-
-// Clusters of the pair kernel that fit on the device at once (its persistent grid), asked once per device
-// and kind, on the first pair launch (nothing of it runs unless POUNCE_GEMM_PAIRS=1).
-template <KernelKind kKind>
-int pair_clusters(int num_sms) {
-  static std::array<std::atomic<int>, kMaxDevices> known{};  // 0 = not asked yet
-  int device = 0;
-  POUNCE_GEMM_CUDA_CHECK(cudaGetDevice(&device));
-  if (const int clusters = known[device].load(std::memory_order_acquire); clusters > 0) return clusters;
-  POUNCE_GEMM_CUDA_CHECK(cudaFuncSetAttribute(gemm::grouped_gemm_pair_kernel<kKind>,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              static_cast<int>(gemm::kSharedBytes)));
-  PairLaunch launch(num_sms / kPairClusterSize * kPairClusterSize, nullptr);
-  int clusters = 0;
-  POUNCE_GEMM_CUDA_CHECK(
-      cudaOccupancyMaxActiveClusters(&clusters, gemm::grouped_gemm_pair_kernel<kKind>, &launch.config));
-  known[device].store(clusters, std::memory_order_release);
-  return clusters;
-}
-
-// POUNCE_GEMM_PAIRS=1: the forward GEMMs run on CTA pairs sharing the weight tiles (an experiment, read at
-// every launch so that a test can compare both).
-bool pairs_requested() {
-  const char* value = std::getenv("POUNCE_GEMM_PAIRS");
-  return value != nullptr && std::strcmp(value, "1") == 0;
 }
 
 struct DeviceInfo {
@@ -213,27 +164,6 @@ void launch(GemmOperands operands, int64_t max_tiles, int max_ctas, cudaStream_t
   gemm::grouped_gemm_kernel<kKind><<<grid, GemmConfig::kNumThreads, shared_bytes_of<kKind>(), stream>>>(
       operands.a, operands.b0, operands.b1, operands.out, operands.args);
   POUNCE_GEMM_CUDA_CHECK(cudaGetLastError());
-}
-
-// The forward kinds on CTA pairs (pair_gemm_kernel.cuh): a persistent grid of co-resident clusters, capped
-// like `launch` (rounded down to whole pairs, at least one).
-template <KernelKind kKind>
-void launch_pairs(GemmOperands operands, int64_t max_tiles, int max_ctas, cudaStream_t stream) {
-  static_assert(kKind == KernelKind::kForwardStore || kKind == KernelKind::kForwardGateUp,
-                "pairs share a K-major weight tile: the forward kinds only");
-  const DeviceInfo& info = device_info();
-  operands.args.error_flag = info.error_flag;
-  const int fitting = pair_clusters<kKind>(info.num_sms);
-  POUNCE_CHECK(fitting > 0,
-               "POUNCE_GEMM_PAIRS=1 but no cluster of two grouped-GEMM CTAs fits on this device; "
-               "unset it");
-  const int ctas = max_ctas > 0 ? std::min(max_ctas, info.num_sms) : info.num_sms;
-  const int64_t clusters =
-      std::max<int64_t>(1, std::min<int64_t>(std::min<int64_t>(fitting, ctas / kPairClusterSize),
-                                             (max_tiles + 1) / kPairClusterSize));
-  PairLaunch launch(static_cast<int>(clusters * kPairClusterSize), stream);
-  POUNCE_GEMM_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, gemm::grouped_gemm_pair_kernel<kKind>, operands.a,
-                                            operands.b0, operands.b1, operands.args));
 }
 
 // Upper bound of the tiles of a row-grouped GEMM: every row block of the capacity times the column blocks.
@@ -380,11 +310,6 @@ void grouped_gemm(const GroupedRows& rows, const void* a, const void* b, void* c
                   cudaStream_t stream) {
   const GemmOperands operands = store_operands(rows, a, b, c, n, k);
   if (rows.max_rows == 0) return;
-  if (pairs_requested()) {
-    launch_pairs<KernelKind::kForwardStore>(operands, row_tiles(rows, n, GemmConfig::BLOCK_N), rows.max_ctas,
-                                            stream);
-    return;
-  }
   launch<KernelKind::kForwardStore>(operands, row_tiles(rows, n, GemmConfig::BLOCK_N), rows.max_ctas, stream);
 }
 
@@ -393,11 +318,6 @@ void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate,
                      cudaStream_t stream) {
   const GemmOperands operands = gate_up_operands(rows, a, w_gate, w_up, g, u, act, n, k, activation);
   if (rows.max_rows == 0) return;
-  if (pairs_requested()) {
-    launch_pairs<KernelKind::kForwardGateUp>(operands, row_tiles(rows, n, GemmConfig::BLOCK_N / 2),
-                                             rows.max_ctas, stream);
-    return;
-  }
   launch<KernelKind::kForwardGateUp>(operands, row_tiles(rows, n, GemmConfig::BLOCK_N / 2), rows.max_ctas,
                                      stream);
 }

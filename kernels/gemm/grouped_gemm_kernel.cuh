@@ -442,8 +442,8 @@ struct ReleaseToProducer {
 };
 
 // Multiplies this warpgroup's 64 rows of one tile over K blocks [kb_begin, kb_end) into `acc`; every thread
-// calls `release(stage)` once a stage's wgmmas are done (CTA pairs also arrive on the peer's barrier). False
-// when a stage never filled (recorded in args.error_flag).
+// calls `release(stage)` once a stage's wgmmas are done. False when a stage never filled (recorded in
+// args.error_flag).
 template <GemmKind kKind, typename Ring, typename Release>
 __device__ __forceinline__ bool multiply_tile(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
                                               int32_t kb_begin, int32_t kb_end, int consumer_idx,
@@ -570,7 +570,7 @@ __device__ __forceinline__ void run_consumer(SharedStorage& ss, const GroupedGem
 }
 
 // Thread 0: the stage ring's mbarriers. full[s]: the producer's one arrival + the stage bytes; empty[s]: one
-// arrival per consumer warp that reads the stage (`empty_arrivals`: this CTA's, or a CTA pair's).
+// arrival per consumer warp that reads the stage (`empty_arrivals`).
 __device__ __forceinline__ void init_stage_ring(SharedStorage& ss, uint32_t empty_arrivals) {
 #pragma unroll
   for (int s = 0; s < GemmConfig::kNumStages; ++s) {
