@@ -197,6 +197,16 @@ __device__ __forceinline__ float bf16_hi(uint32_t packed) {
   return __uint_as_float(packed & 0xFFFF0000u);
 }
 
+// This lane's 8 consecutive columns of 32-column group m, row half h, as 4 packed bf16 pairs: the group's 4
+// accumulator chunks, packed, then quad-transposed.
+__device__ __forceinline__ void transposed_group(const float (&acc)[128], int m, int h, int lane,
+                                                 uint32_t (&w)[4]) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    w[c] = ptx::pack_bf16x2(acc[4 * (4 * m + c) + 2 * h], acc[4 * (4 * m + c) + 2 * h + 1]);
+  quad_transpose(w, lane);
+}
+
 // Stores this lane's two rows of a tile as bf16: `row_base[h]` points at column 0 of its row h (the second
 // is 8 below the first), null = not stored; columns [col_block, col_block + BLOCK_N) below n. Every lane
 // takes part in the transposes, whatever it stores.
@@ -208,10 +218,7 @@ __device__ __forceinline__ void store_rows_bf16(const float (&acc)[128], __nv_bf
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       uint32_t w[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        w[c] = ptx::pack_bf16x2(acc[4 * (4 * m + c) + 2 * h], acc[4 * (4 * m + c) + 2 * h + 1]);
-      quad_transpose(w, lane);
+      transposed_group(acc, m, h, lane, w);
       if (row_base[h] != nullptr) store_16_bytes(row_base[h] + col_block + 32 * m + 8 * (lane % 4), w);
     }
   }
@@ -285,10 +292,7 @@ __device__ __forceinline__ void store_activation_backward_tile(const float (&acc
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         uint32_t d_a[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          d_a[c] = ptx::pack_bf16x2(acc[4 * (4 * m + c) + 2 * h], acc[4 * (4 * m + c) + 2 * h + 1]);
-        quad_transpose(d_a, lane);
+        transposed_group(acc, m, h, lane, d_a);
         const uint32_t gw[4] = {g[b][h].x, g[b][h].y, g[b][h].z, g[b][h].w};
         const uint32_t uw[4] = {u[b][h].x, u[b][h].y, u[b][h].z, u[b][h].w};
         uint32_t d_g[4], d_u[4];
