@@ -7,10 +7,11 @@
 
 namespace pounce::kernels::gemm {
 
-// 1 / (1 + exp(-x)). On the GPU with the hardware's approximate exp2 and reciprocal (a few ulp in fp32, far
-// inside the DESIGN.md §6 tolerances, and shared by the staged and fused kernels, which stay bitwise equal):
-// the epilogues evaluate it with the tensor cores idle, and the exact forms cost about twice the
-// instructions. The host keeps the exact forms.
+// 1 / (1 + exp(-x)). On the GPU with the hardware's approximate exp2 and division (__expf: 2 + 1.2 |x| ulp in
+// fp32; __fdividef: 2 ulp, and 0 once 1 + exp(-x) passes 2^126, i.e. x < -87.3, where the exact value is a
+// denormal below 1e-38): far below bf16 resolution, and shared by the staged and fused kernels, which stay
+// bitwise equal. The epilogues evaluate it with the tensor cores idle, and the exact forms cost about twice
+// the instructions. The host keeps the exact forms.
 __host__ __device__ inline float sigmoid(float x) {
 #ifdef __CUDA_ARCH__
   return __fdividef(1.0f, 1.0f + __expf(-x));

@@ -17,8 +17,7 @@ namespace pounce::kernels {
 struct GemmOperands {
   CUtensorMap a;
   CUtensorMap b0;
-  CUtensorMap b1;        // gate/up: w_up; data grad: B's second K range; otherwise a copy of b0
-  gemm::OutputMaps out;  // the bf16 outputs as TMA store targets (standalone launches)
+  CUtensorMap b1;  // gate/up: w_up; data grad: B's second K range; otherwise a copy of b0
   gemm::GroupedGemmArgs args;
 };
 

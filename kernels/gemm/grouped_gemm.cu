@@ -150,9 +150,23 @@ CUtensorMap transposed_weight_map(const void* w, int num_groups, int64_t rows, i
   return grouped_matrix_map(w, num_groups, rows, cols, GemmConfig::kBoxMN, GemmConfig::BLOCK_K);
 }
 
-// Output rows [max_rows, cols] with row stride ld, stored in chunks of 64 x 64 (tma_store.cuh).
-CUtensorMap output_map(const GroupedRows& rows, const void* out, int64_t cols, int64_t ld) {
-  return matrix_map(out, rows.max_rows, cols, ld, GemmConfig::kStoreChunkCols, 64);
+// The bf16 outputs of a kind whose epilogue goes through the store chunks (tma_store.cuh), as TMA store
+// targets: [capacity rows, n] with the arguments' row stride, boxes of 64 x 64. C, or g, u and act.
+template <KernelKind kKind>
+gemm::OutputMaps output_maps(const gemm::GroupedGemmArgs& args) {
+  gemm::OutputMaps maps{};
+  if constexpr (gemm::epilogue_layout(gemm::gemm_kind(kKind).epilogue).chunks > 0) {
+    const int64_t rows = static_cast<int64_t>(args.max_m_blocks) * GemmConfig::BLOCK_M;
+    const bool gate_up = gemm::gemm_kind(kKind).epilogue == gemm::Epilogue::kGateUpActivation;
+    int i = 0;
+    for (const void* out : {static_cast<const void*>(args.out0), static_cast<const void*>(args.out1),
+                            static_cast<const void*>(args.out2)}) {
+      if (i == 0 || gate_up)
+        maps.out[i] = matrix_map(out, rows, args.n, args.out_ld, GemmConfig::kStoreChunkCols, 64);
+      ++i;
+    }
+  }
+  return maps;
 }
 
 template <KernelKind kKind>
@@ -162,7 +176,7 @@ void launch(GemmOperands operands, int64_t max_tiles, int max_ctas, cudaStream_t
   const int ctas = max_ctas > 0 ? std::min(max_ctas, info.num_sms) : info.num_sms;
   const int grid = static_cast<int>(std::min<int64_t>(ctas, max_tiles));
   gemm::grouped_gemm_kernel<kKind><<<grid, GemmConfig::kNumThreads, shared_bytes_of<kKind>(), stream>>>(
-      operands.a, operands.b0, operands.b1, operands.out, operands.args);
+      operands.a, operands.b0, operands.b1, output_maps<kKind>(operands.args), operands.args);
   POUNCE_GEMM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -206,7 +220,6 @@ GemmOperands store_operands(const GroupedRows& rows, const void* a, const void* 
   if (rows.max_rows == 0) return o;  // no rows to map: the launchers stop here
   o.a = activation_map(rows, a, k);
   o.b0 = o.b1 = weight_map(b, rows.num_groups, n, k, GemmConfig::BLOCK_N);
-  o.out.out[0] = output_map(rows, c, n, n);
   return o;
 }
 
@@ -233,9 +246,6 @@ GemmOperands gate_up_operands(const GroupedRows& rows, const void* a, const void
   o.a = activation_map(rows, a, k);
   o.b0 = weight_map(w_gate, rows.num_groups, n, k, GemmConfig::BLOCK_N / 2);
   o.b1 = weight_map(w_up, rows.num_groups, n, k, GemmConfig::BLOCK_N / 2);
-  o.out.out[0] = output_map(rows, g, n, n);
-  o.out.out[1] = output_map(rows, u, n, n);
-  o.out.out[2] = output_map(rows, act, n, n);
   return o;
 }
 
@@ -279,7 +289,6 @@ GemmOperands transposed_operands(const GroupedRows& rows, const void* a, const v
   o.a = activation_map(rows, a, k);
   o.b0 = transposed_weight_map(b0, rows.num_groups, k_split, n);
   o.b1 = k_split == k ? o.b0 : transposed_weight_map(b1, rows.num_groups, k - k_split, n);
-  o.out.out[0] = output_map(rows, c, n, n);
   return o;
 }
 

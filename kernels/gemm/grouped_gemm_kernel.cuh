@@ -389,7 +389,7 @@ __device__ __forceinline__ uint32_t packed_pair(const float (&acc)[128], int j, 
   return ptx::pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
 }
 
-// Columns [col_block, col_block + BLOCK_N) of C (or of a weight gradient D[group]), 4 chunks.
+// Columns [col_block, col_block + BLOCK_N) of C, 4 chunks.
 template <typename Chunks>
 __device__ __forceinline__ void store_chunks_bf16(const float (&acc)[128], Chunks& chunks,
                                                   const ChunkTarget& target, int32_t n, int32_t col_block) {

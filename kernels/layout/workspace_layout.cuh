@@ -115,6 +115,8 @@ enum FusedTileProfile : int32_t {
 };
 inline constexpr int64_t kFusedTileProfile = kFusedStepTimes + 2 * kNumStepTimes;  // even
 inline constexpr int64_t kFusedHeaderWords = kFusedTileProfile + 2 * kNumProfileSlots;
+static_assert(kFusedStepTimes % 2 == 0 && kFusedTileProfile % 2 == 0,
+              "the uint64 step times and profile slots must be 8-byte aligned in the uint32 counter region");
 
 struct DeviceErrorRecord {
   int32_t code;      // DeviceErrorCode
