@@ -97,12 +97,11 @@ __device__ __forceinline__ sched::BackwardTaskShape task_shape_of(const FusedBac
   return shape;
 }
 
-// Weight gradient of `group`: the K blocks of its row segment (rows beyond the capacity never read).
+// Weight gradient of `group`: the K blocks of its row segment that hold data (rows beyond the capacity never
+// read), as the standalone weight-gradient GEMM takes them.
 __device__ __forceinline__ void weight_grad_k_range(const GroupedGemmArgs& args, int32_t group,
                                                     int32_t& kb_begin, int32_t& kb_end) {
-  const int32_t limit = args.max_m_blocks * GemmConfig::BLOCK_M;
-  kb_begin = min(args.group_row_offset[group], limit) / GemmConfig::BLOCK_K;
-  kb_end = min(args.group_row_offset[group + 1], limit) / GemmConfig::BLOCK_K;
+  kernels::gemm::reduction_k_blocks(args, group, args.max_m_blocks * GemmConfig::BLOCK_M, kb_begin, kb_end);
 }
 
 // Producer thread, first: ticket -> task -> everything it reads ready (kEnd past the list, on a failure or an
@@ -192,6 +191,9 @@ struct BackwardScheduler {
       const int32_t* active = p.weight_grad[static_cast<int>(task.weight)].args.group_active;
       if (active == nullptr || active[task.group] != 0) break;
     }
+    if (task.kind == BackwardTaskKind::kActGrad || task.kind == BackwardTaskKind::kDataGrad ||
+        task.kind == BackwardTaskKind::kReplayGateUp)
+      find_routed_block(p.ws, task.m_block, task);
     bool ready = true;
     switch (task.kind) {
       case BackwardTaskKind::kReplayGateUp:
@@ -236,11 +238,9 @@ __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss,
     case BackwardTaskKind::kSharedDataGrad:
       return produce(GemmTag<kDataGradGemm>{}, p.shared_data_grad, 0, 0, k_blocks(p.shared_data_grad.args));
     case BackwardTaskKind::kActGrad:
-      return produce(GemmTag<kActGradGemm>{}, p.act_grad, expert_of_block(p.ws, task.m_block), 0,
-                     k_blocks(p.act_grad.args));
+      return produce(GemmTag<kActGradGemm>{}, p.act_grad, task.group, 0, k_blocks(p.act_grad.args));
     case BackwardTaskKind::kDataGrad:
-      return produce(GemmTag<kDataGradGemm>{}, p.data_grad, expert_of_block(p.ws, task.m_block), 0,
-                     k_blocks(p.data_grad.args));
+      return produce(GemmTag<kDataGradGemm>{}, p.data_grad, task.group, 0, k_blocks(p.data_grad.args));
     case BackwardTaskKind::kWeightGrad: {
       const kernels::GemmOperands& o = p.weight_grad[static_cast<int>(task.weight)];
       int32_t kb_begin, kb_end;
@@ -248,7 +248,7 @@ __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss,
       return produce(GemmTag<kWeightGradGemm>{}, o, task.group, kb_begin, kb_end);
     }
     case BackwardTaskKind::kReplayGateUp:
-      return produce(GemmTag<kReplayGemm>{}, p.replay_gate_up, expert_of_block(p.ws, task.m_block), 0,
+      return produce(GemmTag<kReplayGemm>{}, p.replay_gate_up, task.group, 0,
                      k_blocks(p.replay_gate_up.args));
     case BackwardTaskKind::kEnd:
       break;
@@ -263,21 +263,28 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
                                              uint32_t*& done) {
   const FusedCounters counters = counters_of(p.ws);
   const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};
+  // Every kind's whole-K tile: consume_tile at the width mma_columns gives this warpgroup.
+  auto consume = [&](auto kind_tag, const GroupedGemmArgs& args) {
+    constexpr kernels::gemm::GemmKind kKind = decltype(kind_tag)::value;
+    return kernels::gemm::consume_tile<kKind>(
+        ss, ring, args, tile, 0, k_blocks(args), consumer_idx,
+        kernels::gemm::mma_columns<kKind>(args, tile, consumer_idx, task.upper_half_padding), acc);
+  };
   switch (task.kind) {
     case BackwardTaskKind::kSharedActGrad:
       done = counters.first_done(true, task.m_block);
-      return kernels::gemm::consume_tile<kActGradGemm>(ss, ring, p.shared_act_grad.args, tile, 0,
-                                                       k_blocks(p.shared_act_grad.args), consumer_idx, acc);
+      return consume(GemmTag<kActGradGemm>{}, p.shared_act_grad.args);
     case BackwardTaskKind::kActGrad:
       done = counters.first_done(false, task.m_block);
-      return kernels::gemm::consume_tile<kActGradGemm>(ss, ring, p.act_grad.args, tile, 0,
-                                                       k_blocks(p.act_grad.args), consumer_idx, acc);
+      return consume(GemmTag<kActGradGemm>{}, p.act_grad.args);
     case BackwardTaskKind::kSharedDataGrad:
-      return kernels::gemm::consume_tile<kDataGradGemm>(ss, ring, p.shared_data_grad.args, tile, 0,
-                                                        k_blocks(p.shared_data_grad.args), consumer_idx, acc);
+      return consume(GemmTag<kDataGradGemm>{}, p.shared_data_grad.args);
     case BackwardTaskKind::kDataGrad:
-      if (!kernels::gemm::multiply_tile<kDataGradGemm>(ss, ring, p.data_grad.args, 0,
-                                                       k_blocks(p.data_grad.args), consumer_idx, acc))
+      if (!kernels::gemm::multiply_tile<kDataGradGemm>(
+              ss, ring, p.data_grad.args, 0, k_blocks(p.data_grad.args), consumer_idx,
+              kernels::gemm::mma_columns<kDataGradGemm>(p.data_grad.args, tile, consumer_idx,
+                                                        task.upper_half_padding),
+              acc))
         return false;
       if (p.push_combine) {
         kernels::gemm::store_tile<kDataGradGemm>(acc, p.data_grad.args, tile, true, consumer_idx);
@@ -289,14 +296,14 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
       return true;
     case BackwardTaskKind::kReplayGateUp:
       done = counters.replay_done(task.m_block);
-      return kernels::gemm::consume_tile<kReplayGemm>(ss, ring, p.replay_gate_up.args, tile, 0,
-                                                      k_blocks(p.replay_gate_up.args), consumer_idx, acc);
+      return consume(GemmTag<kReplayGemm>{}, p.replay_gate_up.args);
     case BackwardTaskKind::kWeightGrad: {
       const GroupedGemmArgs& args = p.weight_grad[static_cast<int>(task.weight)].args;
       int32_t kb_begin, kb_end;
       weight_grad_k_range(args, task.group, kb_begin, kb_end);
-      return kernels::gemm::consume_tile<kWeightGradGemm>(ss, ring, args, tile, kb_begin, kb_end,
-                                                          consumer_idx, acc);
+      return kernels::gemm::consume_tile<kWeightGradGemm>(
+          ss, ring, args, tile, kb_begin, kb_end, consumer_idx,
+          kernels::gemm::mma_columns<kWeightGradGemm>(args, tile, consumer_idx, false), acc);
     }
     case BackwardTaskKind::kEnd:
       break;

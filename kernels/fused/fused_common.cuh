@@ -140,6 +140,17 @@ __device__ __forceinline__ int32_t expert_of_block(const layout::WorkspacePointe
   return lo;
 }
 
+// A routed m-block's expert and whether its rows 64..127 are all padding, from the scan's offsets and
+// group_rows (visible to every compute CTA from its first ticket on). Only the upper half can be: a
+// segment pads to fewer than BLOCK_M rows.
+template <typename TaskT>
+__device__ __forceinline__ void find_routed_block(const layout::WorkspacePointers& ws, int32_t m_block,
+                                                  TaskT& task) {
+  task.group = expert_of_block(ws, m_block);
+  task.upper_half_padding =
+      m_block * GemmConfig::BLOCK_M + 64 >= ws.group_row_offset[task.group] + ws.group_rows[task.group];
+}
+
 // The routed units of one call, as the communication CTAs see them.
 struct CommunicationPlan {
   sched::ForwardTaskShape shape;  // routed_m_blocks, unit_blocks

@@ -155,6 +155,8 @@ struct ForwardScheduler {
     if (aborted(p.ws)) return;
     const int32_t ticket = static_cast<int32_t>(atomicAdd(counters.ticket(), 1u));
     if (!cursor.at(ticket, task)) return;
+    const bool routed = task.kind == TaskKind::kGateUp || task.kind == TaskKind::kDown;
+    if (routed) find_routed_block(p.ws, schedule_block_of(task), task);
     [[maybe_unused]] uint64_t deadline = 0;
     if constexpr (kRing) deadline = flags::global_timer_ns() + 2 * p.ws.timeout_ns - p.ws.timeout_ns / 8;
     bool ready = true;
@@ -168,7 +170,6 @@ struct ForwardScheduler {
                          layout::WaitId::kFusedGateUpDone, schedule_block_of(task));
     }
     if constexpr (kRing) {
-      const bool routed = task.kind == TaskKind::kGateUp || task.kind == TaskKind::kDown;
       if (ready && routed && task.macrobatch > ring_checked) {
         // Both waits end within the consumers' handoff bound (twice the call's), so a stall is named by the
         // wait that saw it, not by the handoff.
@@ -189,9 +190,7 @@ template <typename TaskT>
 __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss,
                                              kernels::gemm::RingPosition& ring, const FusedForwardMaps& maps,
                                              const FusedForwardParams& p, const TaskT& task) {
-  const bool routed = task.kind == TaskKind::kGateUp || task.kind == TaskKind::kDown;
-  const kernels::gemm::Tile tile{task.m_block, task.n_block,
-                                 routed ? expert_of_block(p.ws, schedule_block_of(task)) : 0};
+  const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};  // group: 0 for the shared expert
   switch (task.kind) {
     case TaskKind::kSharedGateUp:
       return kernels::gemm::produce_tile<kGateUpGemm>(ss, ring, maps.sym_x, maps.shared_gate, maps.shared_up,
@@ -220,21 +219,29 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
                                              const TaskT& task, int consumer_idx, float (&acc)[128],
                                              uint32_t*& done) {
   const FusedCounters counters = counters_of(p.ws);
-  const kernels::gemm::Tile tile{task.m_block, task.n_block, 0};
+  const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};
+  auto mma_columns = [&](auto kind_tag, const GroupedGemmArgs& args) {
+    return kernels::gemm::mma_columns<decltype(kind_tag)::value>(args, tile, consumer_idx,
+                                                                 task.upper_half_padding);
+  };
   switch (task.kind) {
     case TaskKind::kSharedGateUp:
       done = counters.first_done(true, task.m_block);
-      return kernels::gemm::consume_tile<kGateUpGemm>(ss, ring, p.shared_gate_up, tile, 0,
-                                                      k_blocks(p.shared_gate_up), consumer_idx, acc);
+      return kernels::gemm::consume_tile<kGateUpGemm>(
+          ss, ring, p.shared_gate_up, tile, 0, k_blocks(p.shared_gate_up), consumer_idx,
+          mma_columns(GemmTag<kGateUpGemm>{}, p.shared_gate_up), acc);
     case TaskKind::kSharedDown:
       return kernels::gemm::consume_tile<kDownGemm>(ss, ring, p.shared_down, tile, 0, k_blocks(p.shared_down),
-                                                    consumer_idx, acc);
+                                                    consumer_idx,
+                                                    mma_columns(GemmTag<kDownGemm>{}, p.shared_down), acc);
     case TaskKind::kGateUp:
       done = counters.first_done(false, schedule_block_of(task));
       return kernels::gemm::consume_tile<kGateUpGemm>(ss, ring, p.gate_up, tile, 0, k_blocks(p.gate_up),
-                                                      consumer_idx, acc);
+                                                      consumer_idx,
+                                                      mma_columns(GemmTag<kGateUpGemm>{}, p.gate_up), acc);
     case TaskKind::kDown:
-      if (!kernels::gemm::multiply_tile<kDownGemm>(ss, ring, p.down, 0, k_blocks(p.down), consumer_idx, acc))
+      if (!kernels::gemm::multiply_tile<kDownGemm>(ss, ring, p.down, 0, k_blocks(p.down), consumer_idx,
+                                                   mma_columns(GemmTag<kDownGemm>{}, p.down), acc))
         return false;
       if (p.push_combine) {
         kernels::gemm::store_tile<kDownGemm>(acc, p.down, tile, true, consumer_idx);

@@ -93,6 +93,8 @@ inline constexpr int kOutBlockN =
 
 struct GroupedGemmArgs {
   const int32_t* group_row_offset;  // [num_groups + 1] rows, multiples of BLOCK_M
+  const int32_t* group_rows;        // [num_groups] rows holding data (the rest of a segment is zero padding);
+                                    // null = every row of a segment
   int num_groups;
   int32_t max_m_blocks;  // capacity / BLOCK_M (kRows)
   int32_t m;             // output rows per group (kReduction)

@@ -189,6 +189,7 @@ int64_t row_tiles(const GroupedRows& rows, int64_t n, int out_block_n) {
 gemm::GroupedGemmArgs base_args(const GroupedRows& rows, int64_t n, int64_t k) {
   gemm::GroupedGemmArgs args{};
   args.group_row_offset = rows.group_row_offset;
+  args.group_rows = rows.group_rows;
   args.group_active = rows.group_active;
   args.num_groups = rows.num_groups;
   args.max_m_blocks = static_cast<int32_t>(rows.max_rows / GemmConfig::BLOCK_M);

@@ -30,6 +30,11 @@ struct GroupedRows {
   // Weight gradients only: device [num_groups], 0 where the group's output is left untouched (a macrobatch
   // writes only the experts it holds); null = every group.
   const int32_t* group_active = nullptr;
+  // Optional device [num_groups]: rows of each segment that hold data; the rest, up to the next offset, are
+  // padding whose A rows are zero. The GEMMs then skip work on padding (a consumer warpgroup whose 64 rows
+  // are all padding, weight-gradient K blocks past the data) and store what zero rows give: zeros. null =
+  // none.
+  const int32_t* group_rows = nullptr;
 };
 
 struct ActivationParams {

@@ -35,6 +35,55 @@
 namespace pounce::kernels::gemm {
 
 // ---------------------------------------------------------------------------------------------------
+// Tile extents
+// ---------------------------------------------------------------------------------------------------
+// The wgmma width one consumer warpgroup needs for a tile: the narrowest of 64, 128 and 256 columns that
+// covers the tile's columns below n (gate/up: 64 or 256, its gate and up halves alike), so an edge tile
+// (n % 256 == 64 for gpt-oss) issues a quarter of the tensor work; 0 (no wgmma at all) when all 64 of the
+// warpgroup's rows are padding: `upper_half_padding` from the caller for row groupings (a group's rows past
+// its data, GroupedGemmArgs::group_rows), weight-gradient rows at or beyond m. Columns and rows a narrower
+// wgmma leaves out are never stored, and skipped rows are exactly what zero rows of A give: zeros.
+template <GemmKind kKind>
+__device__ __forceinline__ int32_t mma_columns(const GroupedGemmArgs& args, const Tile& tile,
+                                               int consumer_idx, bool upper_half_padding) {
+  if constexpr (kKind.grouping == Grouping::kReduction) {
+    if (tile.m_block * GemmConfig::BLOCK_M + 64 * consumer_idx >= args.m) return 0;
+  } else {
+    if (consumer_idx == 1 && upper_half_padding) return 0;
+  }
+  const int32_t cols = args.n - tile.n_block * kOutBlockN<kKind.epilogue>;
+  if constexpr (kKind.epilogue == Epilogue::kGateUpActivation) {
+    return cols <= 64 ? 64 : 256;
+  } else {
+    return cols <= 64 ? 64 : cols <= 128 ? 128 : 256;
+  }
+}
+
+// Rows 64..127 of a row-grouped tile hold no data (its group's rows end at or before row 64 of the tile),
+// read from args.group_rows (false without it). The first half always holds data: padding is < BLOCK_M rows.
+template <GemmKind kKind>
+__device__ __forceinline__ bool upper_half_padding(const GroupedGemmArgs& args, const Tile& tile) {
+  if constexpr (kKind.grouping == Grouping::kRows) {
+    if (args.group_rows != nullptr) {
+      return tile.m_block * GemmConfig::BLOCK_M + 64 >=
+             args.group_row_offset[tile.group] + args.group_rows[tile.group];
+    }
+  }
+  return false;
+}
+
+// The K blocks of a weight gradient's group (kReduction): its row segment up to `limit` rows, without the
+// K blocks wholly past its data (GroupedGemmArgs::group_rows; zero rows add nothing to the sums).
+__device__ __forceinline__ void reduction_k_blocks(const GroupedGemmArgs& args, int32_t group, int32_t limit,
+                                                   int32_t& kb_begin, int32_t& kb_end) {
+  const int32_t begin = min(args.group_row_offset[group], limit);
+  int32_t end = min(args.group_row_offset[group + 1], limit);
+  if (args.group_rows != nullptr) end = min(end, begin + args.group_rows[group]);
+  kb_begin = begin / GemmConfig::BLOCK_K;
+  kb_end = (end + GemmConfig::BLOCK_K - 1) / GemmConfig::BLOCK_K;
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Tile walk: producer and consumers run the same scheduler, so they agree on every tile and its K range.
 // ---------------------------------------------------------------------------------------------------
 template <GemmKind kKind>
@@ -44,11 +93,10 @@ struct TileWalk {
   using Scheduler = std::conditional_t<kReduction, ReductionTileScheduler<C::BLOCK_M, C::BLOCK_N>,
                                        TileScheduler<C::BLOCK_M, C::kMChunk>>;
   Scheduler scheduler;
-  const int32_t* group_row_offset;
   int32_t num_k_blocks;  // kRows: every tile runs the whole K
 
   __device__ explicit TileWalk(const GroupedGemmArgs& a)
-      : scheduler(make_scheduler(a)), group_row_offset(a.group_row_offset), num_k_blocks(a.k / C::BLOCK_K) {}
+      : scheduler(make_scheduler(a)), num_k_blocks(a.k / C::BLOCK_K) {}
 
   static __device__ Scheduler make_scheduler(const GroupedGemmArgs& a) {
     if constexpr (kReduction) {
@@ -60,16 +108,20 @@ struct TileWalk {
   }
 
   // The next tile and its K blocks [kb_begin, kb_end).
-  __device__ bool next(Tile& tile, int32_t& kb_begin, int32_t& kb_end) {
+  __device__ bool next(const GroupedGemmArgs& args, Tile& tile, int32_t& kb_begin, int32_t& kb_end) {
     if (!scheduler.next(tile)) return false;
     if constexpr (kReduction) {
-      kb_begin = group_row_offset[tile.group] / C::BLOCK_K;
-      kb_end = group_row_offset[tile.group + 1] / C::BLOCK_K;
+      reduction_k_blocks(args, tile.group, INT32_MAX, kb_begin, kb_end);
     } else {
       kb_begin = 0;
       kb_end = num_k_blocks;
     }
     return true;
+  }
+
+  // The width this consumer warpgroup multiplies a tile at (mma_columns).
+  static __device__ int32_t mma_columns(const GroupedGemmArgs& args, const Tile& tile, int consumer_idx) {
+    return gemm::mma_columns<kKind>(args, tile, consumer_idx, upper_half_padding<kKind>(args, tile));
   }
 };
 
@@ -154,7 +206,7 @@ __device__ __forceinline__ void run_producer(SharedStorage& ss, const CUtensorMa
   StageRing<epilogue_layout(kKind.epilogue).stages> ring;
   Tile tile;
   int32_t kb_begin = 0, kb_end = 0;
-  while (walk.next(tile, kb_begin, kb_end)) {
+  while (walk.next(args, tile, kb_begin, kb_end)) {
     if (!produce_tile<kKind>(ss, ring, tmap_a, tmap_b0, tmap_b1, args, tile, kb_begin, kb_end)) return;
   }
 }
@@ -445,51 +497,105 @@ struct ReleaseToProducer {
   }
 };
 
-// Multiplies this warpgroup's 64 rows of one tile over K blocks [kb_begin, kb_end) into `acc`; every thread
-// calls `release(stage)` once a stage's wgmmas are done. False when a stage never filled (recorded in
-// args.error_flag).
-template <GemmKind kKind, typename Ring, typename Release>
-__device__ __forceinline__ bool multiply_tile(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
-                                              int32_t kb_begin, int32_t kb_end, int consumer_idx,
-                                              float (&acc)[128], Release release) {
+// A K block's wgmmas at width kCols (mma_columns). Gate/up at 64: the gate half's first 64 columns into
+// accumulators 0..31 and the up half's (B rows 128..) into 64..95, where the epilogue reads them.
+template <GemmKind kKind, int kCols>
+__device__ __forceinline__ void issue_k_block(float (&acc)[128], uint32_t a_base, uint32_t b_base,
+                                              bool accumulate) {
+  using C = GemmConfig;
+  constexpr bool kMnA = kKind.a == Major::kMN, kMnB = kKind.b == Major::kMN;
+#pragma unroll
+  for (int kk = 0; kk < C::BLOCK_K / 16; ++kk) {
+    const uint64_t a = smem_desc<kKind.a>(a_base, kk);
+    const uint64_t b = smem_desc<kKind.b>(b_base, kk);
+    const bool acc_in = accumulate || kk > 0;
+    if constexpr (kCols == 256) {
+      ptx::wgmma_m64n256k16_bf16<kMnA, kMnB>(acc, a, b, acc_in);
+    } else if constexpr (kCols == 128) {
+      ptx::wgmma_m64n128k16_bf16<kMnA, kMnB>(acc, a, b, acc_in);
+    } else {
+      ptx::wgmma_m64n64k16_bf16<kMnA, kMnB>(acc, a, b, acc_in);
+      if constexpr (kKind.epilogue == Epilogue::kGateUpActivation) {
+        static_assert(kKind.b == Major::kK, "gate/up weights are K-major");
+        const uint64_t b_up = smem_desc<kKind.b>(b_base + (C::BLOCK_N / 2) * C::BLOCK_K * 2, kk);
+        ptx::wgmma_m64n64k16_bf16<kMnA, kMnB, 64>(acc, a, b_up, acc_in);
+      }
+    }
+  }
+}
+
+// K blocks [kb_begin, kb_end) at width kCols (0: wait for each stage and hand it back, acc = 0).
+template <GemmKind kKind, int kCols, typename Ring, typename Release>
+__device__ __forceinline__ bool multiply_k_blocks(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
+                                                  int32_t kb_begin, int32_t kb_end, int consumer_idx,
+                                                  float (&acc)[128], Release release) {
   using C = GemmConfig;
   // This warpgroup's 64 rows of A: rows 64c.. of a K-major tile, or box c of an M-major one; both 8 KB in.
   const uint32_t a_offset_bytes = consumer_idx * 64 * C::BLOCK_K * 2;
   uint32_t prev_stage = 0;
+  if constexpr (kCols == 0) {  // opaque zeros: known constants would let the compiler clone the epilogue
+#pragma unroll
+    for (int i = 0; i < 128; ++i) asm volatile("mov.b32 %0, 0;" : "=f"(acc[i]));
+  }
   for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
     if (!ptx::mbarrier_wait_parity_bounded(&ss.full[ring.stage], ring.phase, C::kWaitTimeoutNs)) {
       ptx::wgmma_wait_group<0>();  // leave no wgmma in flight behind
       record_error(args.error_flag, WaitError::kFullStage);
       return false;
     }
-    const uint32_t a_base = ptx::smem_addr(ss.stages[ring.stage].a) + a_offset_bytes;
-    const uint32_t b_base = ptx::smem_addr(ss.stages[ring.stage].b);
-    fence_accumulators(acc);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < C::BLOCK_K / 16; ++kk) {
-      ptx::wgmma_m64n256k16_bf16<kKind.a == Major::kMN, kKind.b == Major::kMN>(
-          acc, smem_desc<kKind.a>(a_base, kk), smem_desc<kKind.b>(b_base, kk), kb > kb_begin || kk > 0);
+    if constexpr (kCols == 0) {
+      release(ring.stage);  // the other warpgroup's wgmmas hold the stage until they arrive too
+    } else {
+      fence_accumulators(acc);
+      ptx::wgmma_fence();
+      issue_k_block<kKind, kCols>(acc, ptx::smem_addr(ss.stages[ring.stage].a) + a_offset_bytes,
+                                  ptx::smem_addr(ss.stages[ring.stage].b), kb > kb_begin);
+      ptx::wgmma_commit_group();
+      fence_accumulators(acc);
+      if (kb > kb_begin) {
+        ptx::wgmma_wait_group<1>();
+        release(prev_stage);
+      }
+      prev_stage = ring.stage;
     }
-    ptx::wgmma_commit_group();
-    fence_accumulators(acc);
-    if (kb > kb_begin) {
-      ptx::wgmma_wait_group<1>();
-      release(prev_stage);
-    }
-    prev_stage = ring.stage;
     ring.advance();
   }
-  ptx::wgmma_wait_group<0>();
-  fence_accumulators(acc);
-  if (kb_end > kb_begin) release(prev_stage);
+  if constexpr (kCols != 0) {
+    ptx::wgmma_wait_group<0>();
+    fence_accumulators(acc);
+    if (kb_end > kb_begin) release(prev_stage);
+  }
   return true;
+}
+
+// Multiplies this warpgroup's 64 rows of one tile over K blocks [kb_begin, kb_end) into `acc` at the width
+// `mma_cols` (mma_columns); every thread calls `release(stage)` once a stage's wgmmas are done. False when a
+// stage never filled (recorded in args.error_flag).
+template <GemmKind kKind, typename Ring, typename Release>
+__device__ __forceinline__ bool multiply_tile(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
+                                              int32_t kb_begin, int32_t kb_end, int consumer_idx,
+                                              int32_t mma_cols, float (&acc)[128], Release release) {
+  switch (mma_cols) {
+    case 0:
+      return multiply_k_blocks<kKind, 0>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
+    case 64:
+      return multiply_k_blocks<kKind, 64>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
+    case 128:
+      if constexpr (kKind.epilogue != Epilogue::kGateUpActivation) {
+        return multiply_k_blocks<kKind, 128>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
+      }
+      break;
+    default:
+      break;
+  }
+  return multiply_k_blocks<kKind, 256>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
 }
 template <GemmKind kKind, typename Ring>
 __device__ __forceinline__ bool multiply_tile(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
                                               int32_t kb_begin, int32_t kb_end, int consumer_idx,
-                                              float (&acc)[128]) {
-  return multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, ReleaseToProducer{ss});
+                                              int32_t mma_cols, float (&acc)[128]) {
+  return multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, mma_cols, acc,
+                              ReleaseToProducer{ss});
 }
 
 // This lane's first row of a tile (the second is 8 below): consumer warpgroup, warp and quad.
@@ -541,8 +647,8 @@ __device__ __forceinline__ void store_tile_through_smem(const float (&acc)[128],
 template <GemmKind kKind, typename Ring>
 __device__ __forceinline__ bool consume_tile(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
                                              const Tile& tile, int32_t kb_begin, int32_t kb_end,
-                                             int consumer_idx, float (&acc)[128]) {
-  if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc)) return false;
+                                             int consumer_idx, int32_t mma_cols, float (&acc)[128]) {
+  if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, mma_cols, acc)) return false;
   store_tile<kKind>(acc, args, tile, kb_end > kb_begin, consumer_idx);
   return true;
 }
@@ -560,14 +666,18 @@ __device__ __forceinline__ void run_consumer(SharedStorage& ss, const GroupedGem
   int32_t kb_begin = 0, kb_end = 0;
   if constexpr (kLayout.chunks > 0) {
     StoreChunkRing<kLayout.chunks> chunks(ss, kLayout, consumer_idx);
-    while (walk.next(tile, kb_begin, kb_end)) {
-      if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc)) break;
+    while (walk.next(args, tile, kb_begin, kb_end)) {
+      if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx,
+                                walk.mma_columns(args, tile, consumer_idx), acc))
+        break;
       store_tile_through_smem<kKind>(acc, args, maps, tile, consumer_idx, chunks);
     }
     chunks.drain();
   } else {
-    while (walk.next(tile, kb_begin, kb_end)) {
-      if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc)) break;
+    while (walk.next(args, tile, kb_begin, kb_end)) {
+      if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx,
+                                walk.mma_columns(args, tile, consumer_idx), acc))
+        break;
       store_tile<kKind>(acc, args, tile, kb_end > kb_begin, consumer_idx);
     }
   }

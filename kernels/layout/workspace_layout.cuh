@@ -167,6 +167,7 @@ struct WorkspaceLayout {
   int64_t loc_chunk_counts = 0;       // int32 [R][max_chunks][El]: pairs per (source, chunk, expert)
   int64_t loc_expert_src_count = 0;   // int32 [El][R]: pairs per (local expert, source)
   int64_t loc_group_row_offset = 0;   // int32 [El + 1]: padded segment offsets (multiples of 128)
+  int64_t loc_group_rows = 0;         // int32 [El]: rows of each segment holding data (the rest is padding)
   int64_t loc_shared_row_offset = 0;  // int32 [2]: {0, round_up(T, 128)} for the shared expert
   int64_t loc_schedule = 0;           // ScheduleEntry [rows_capacity]
   // ring only (0 bytes without): the macrobatch plan, built on the device after the schedule
@@ -248,6 +249,7 @@ struct WorkspaceLayout {
     l.loc_chunk_counts = carve(R * l.max_chunks * El * 4);
     l.loc_expert_src_count = carve(El * R * 4);
     l.loc_group_row_offset = carve((El + 1) * 4);
+    l.loc_group_rows = carve(El * 4);
     l.loc_shared_row_offset = carve(2 * 4);
     l.loc_schedule = carve(l.rows_capacity * static_cast<int64_t>(sizeof(ScheduleEntry)));
     l.loc_macrobatch_plan = carve(ring ? (maxB + 2) * 4 : 0);
@@ -311,6 +313,7 @@ struct WorkspacePointers {
   int32_t* chunk_counts;
   int32_t* expert_src_count;
   int32_t* group_row_offset;
+  int32_t* group_rows;  // [El]: a segment's rows holding data, the same in every macrobatch view
   int32_t* shared_row_offset;
   ScheduleEntry* schedule;
   int32_t* macrobatch_plan;  // ring only (null without), see WorkspaceLayout

@@ -207,6 +207,7 @@ __device__ __forceinline__ void schedule_scan(const layout::WorkspacePointers& w
         flags::record_error(ws, layout::DeviceErrorCode::kScheduleOverflow, 0, -1, ws.rows_capacity, end);
       }
       ws.group_row_offset[expert + 1] = static_cast<int32_t>(clamped_end);
+      ws.group_rows[expert] = static_cast<int32_t>(min(clamped_begin + rows, clamped_end) - clamped_begin);
     }
     const int64_t pad_begin = clamped_begin + rows;  // padding rows: [pad_begin, clamped_end)
     const bool padding = pad_begin < clamped_end;

@@ -55,8 +55,10 @@ struct BackwardTask {
   int32_t m_block;  // data: row block; weight: output row block of the gradient matrix
   int32_t n_block;
   int32_t unit;           // data: unit (routed index for routed tasks)
-  int32_t group;          // weight: expert (0 for the shared expert)
+  int32_t group;          // weight: expert (0 for the shared expert); routed data and replay: set by the
+                          // fused scheduler, as upper_half_padding (see sched::Task)
   WeightGradKind weight;  // weight only
+  bool upper_half_padding;
 };
 
 // Output tiles of one weight gradient: groups x [m, n] matrices, m_blocks x n_blocks tiles each.

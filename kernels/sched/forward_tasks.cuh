@@ -33,6 +33,12 @@ struct Task {
   int32_t m_block;  // in the shared expert's rows (sym_x) or in the routed rows (x_rows)
   int32_t n_block;
   int32_t unit;  // routed unit (minibatch) index for kGateUp / kDown, shared unit otherwise
+  // Not the list's: the fused kernel's scheduler sets them for a routed tile: its expert, and whether its
+  // rows 64..127 are all padding (the second consumer warpgroup then skips the wgmmas, as
+  // GroupedRows::group_rows makes the staged GEMMs do). Zero from the list (aggregate initialisation; no
+  // default member initialisers: the task slots live in __shared__ memory, which allows no constructor).
+  int32_t group;
+  bool upper_half_padding;
 };
 
 // Extents of one call's list; m-block counts are read on the device after the schedule.

@@ -259,6 +259,7 @@ layout::WorkspacePointers GpuWorkspace::pointers() const {
   p.chunk_counts = static_cast<int32_t*>(at(l.loc_chunk_counts));
   p.expert_src_count = static_cast<int32_t*>(at(l.loc_expert_src_count));
   p.group_row_offset = static_cast<int32_t*>(at(l.loc_group_row_offset));
+  p.group_rows = static_cast<int32_t*>(at(l.loc_group_rows));
   p.shared_row_offset = static_cast<int32_t*>(at(l.loc_shared_row_offset));
   p.schedule = static_cast<layout::ScheduleEntry*>(at(l.loc_schedule));
   p.ring_rows = l.ring_rows;

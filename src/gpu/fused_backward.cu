@@ -107,10 +107,11 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
     params.shared_act_grad = shared.act_grad;
     params.shared_data_grad = shared.data_grad;
     if (p.has_ring()) {  // this macrobatch's forward rows, replayed inside the kernel where due
-      params.replay_gate_up = kernels::gate_up_operands(
-          kernels::GroupedRows{mb.rows_capacity, mb.group_row_offset, mb.num_local_experts, 0}, mb.x_rows,
-          args.inputs.routed.gate.data, args.inputs.routed.up.data, mb.g_rows, mb.u_rows, mb.act_rows, I, H,
-          activation);
+      params.replay_gate_up =
+          kernels::gate_up_operands(kernels::GroupedRows{mb.rows_capacity, mb.group_row_offset,
+                                                         mb.num_local_experts, 0, nullptr, mb.group_rows},
+                                    mb.x_rows, args.inputs.routed.gate.data, args.inputs.routed.up.data,
+                                    mb.g_rows, mb.u_rows, mb.act_rows, I, H, activation);
       params.replay_gate_up.args.error_flag = gemm_error;
       params.replay_row_offset = p.macrobatch(b, layout::MacrobatchRows::kReplay).group_row_offset;
     }

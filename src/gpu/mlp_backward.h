@@ -53,7 +53,7 @@ inline MlpBackward shared_mlp_backward(const layout::WorkspacePointers& p, const
 // The routed experts on the received rows of the forward context (dy pulled by the reverse-combine).
 inline MlpBackward routed_mlp_backward(const layout::WorkspacePointers& p, const BackwardArgs& args,
                                        int max_ctas) {
-  return {{p.rows_capacity, p.group_row_offset, p.num_local_experts, max_ctas},
+  return {{p.rows_capacity, p.group_row_offset, p.num_local_experts, max_ctas, nullptr, p.group_rows},
           p.intermediate,
           p.x_rows,
           p.dy_rows,

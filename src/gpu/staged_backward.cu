@@ -38,6 +38,7 @@ void launch_mlp_data_grads(const MlpBackward& m, int first_group, int num_groups
   const int64_t I = m.intermediate;
   kernels::GroupedRows rows = m.rows;
   rows.group_row_offset += first_group;
+  if (rows.group_rows != nullptr) rows.group_rows += first_group;
   rows.num_groups = num_groups;
   void* d_u = static_cast<char*>(m.d_gu) + I * 2;
   kernels::grouped_activation_backward(rows, m.dy, expert_slice(m.weights.down, first_group), m.g, m.u,
@@ -119,7 +120,8 @@ void launch_forward_replay(GpuWorkspace& workspace, const BackwardArgs& args,
                            const layout::WorkspacePointers& replay, cudaStream_t stream) {
   const int El = replay.num_local_experts;
   dispatch::dispatch_pull_kernel<kCommThreads><<<workspace.num_sms, kCommThreads, 0, stream>>>(replay, 0, El);
-  const kernels::GroupedRows rows{replay.rows_capacity, replay.group_row_offset, El, 0};
+  const kernels::GroupedRows rows{replay.rows_capacity, replay.group_row_offset, El, 0, nullptr,
+                                  replay.group_rows};
   kernels::grouped_gate_up(rows, replay.x_rows, args.inputs.routed.gate.data, args.inputs.routed.up.data,
                            replay.g_rows, replay.u_rows, replay.act_rows, replay.intermediate, replay.hidden,
                            activation, stream);

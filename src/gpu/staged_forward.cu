@@ -170,8 +170,9 @@ void launch_macrobatch_forward(GpuWorkspace& workspace, const ForwardArgs& args,
   for (int c = 0; c < overlap.num_chunks(); ++c) {
     const int e0 = overlap.chunk_begin(c), e1 = overlap.chunk_begin(c + 1);
     overlap.wait(stream, pulled[c]);
-    const kernels::GroupedRows routed{mb.rows_capacity, mb.group_row_offset + e0, e1 - e0,
-                                      overlap.gemm_ctas()};
+    const kernels::GroupedRows routed{mb.rows_capacity, mb.group_row_offset + e0,
+                                      e1 - e0,          overlap.gemm_ctas(),
+                                      nullptr,          mb.group_rows + e0};
     kernels::grouped_gate_up(routed, mb.x_rows, expert_slice(args.routed.gate, e0),
                              expert_slice(args.routed.up, e0), mb.g_rows, mb.u_rows, mb.act_rows, I, H,
                              activation, stream);

@@ -10,6 +10,10 @@
 // is exact: zeros for an empty group, bf16 = the fp32 result rounded, accumulate = prefill + the fp32 result.
 // As the pipelined staged passes launch them, some cases run over a slice of the groups (group_row_offset
 // + first, so offset[0] > 0; rows outside the slice must stay poisoned) and on a capped grid (max_ctas).
+// Cases with data rows (GroupedRows::group_rows) zero A past each group's data, as the layer's padding rows
+// are: the kernels skip the work there (a consumer warpgroup with only padding rows, weight-gradient K blocks
+// past the data), and the outputs must still be the reference's (zeros on padding rows; a weight gradient
+// bitwise the one computed over every row).
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -107,6 +111,9 @@ struct Problem {
   int64_t max_rows;
   int64_t n, k;
   int row_stride = 1;  // check every row_stride-th valid row (keeps the CPU side fast)
+  // Rows of each group's segment holding data (GroupedRows::group_rows); A rows past them are zero. Empty:
+  // every row holds data (group_rows null).
+  std::vector<int32_t> data_rows = {};
   std::vector<int32_t> offsets() const {
     std::vector<int32_t> off(rows_per_group.size() + 1, 0);
     for (size_t g = 0; g < rows_per_group.size(); ++g) off[g + 1] = off[g] + rows_per_group[g];
@@ -158,6 +165,22 @@ int group_of(const std::vector<int32_t>& off, int64_t row) {
   return g;
 }
 
+// A [max_rows, ld] bf16 operand with the rows past each group's data zeroed (Problem::data_rows).
+void zero_padding_rows(const Problem& p, std::vector<uint16_t>& a, int64_t ld) {
+  const auto off = p.offsets();
+  for (size_t g = 0; g < p.data_rows.size(); ++g)
+    std::fill(a.begin() + (off[g] + p.data_rows[g]) * ld, a.begin() + off[g + 1] * ld, uint16_t{0});
+}
+
+// GroupedRows of a problem's groups [first_group, ..): offsets, data rows where the problem has them.
+GroupedRows grouped_rows(const Problem& p, const int32_t* d_off, const int32_t* d_data_rows,
+                         int first_group = 0, int max_ctas = 0) {
+  GroupedRows rows{p.max_rows, d_off + first_group, static_cast<int>(p.rows_per_group.size()) - first_group,
+                   max_ctas};
+  if (!p.data_rows.empty()) rows.group_rows = d_data_rows + first_group;
+  return rows;
+}
+
 // Rows [valid, max_rows) of a [max_rows, n] output must still hold the poison pattern.
 int64_t count_unpoisoned_tail(const std::vector<uint16_t>& out, int64_t valid_rows, int64_t n) {
   int64_t bad = 0;
@@ -173,15 +196,16 @@ int64_t count_unpoisoned_head(const std::vector<uint16_t>& out, int64_t first_ro
 void run_grouped_gemm(const Problem& p) {
   const auto off = p.offsets();
   const int num_groups = static_cast<int>(p.rows_per_group.size());
-  const auto a = random_bf16(static_cast<size_t>(p.max_rows * p.k), 1234, 1.0f);
+  auto a = random_bf16(static_cast<size_t>(p.max_rows * p.k), 1234, 1.0f);
+  zero_padding_rows(p, a, p.k);
   const auto b = random_bf16(static_cast<size_t>(num_groups * p.n * p.k), 5678, 0.25f);
   DeviceBuffer<uint16_t> d_a(a.size()), d_b(b.size()), d_c(static_cast<size_t>(p.max_rows * p.n));
-  DeviceBuffer<int32_t> d_off(off.size());
-  ASSERT_TRUE(d_a.ptr && d_b.ptr && d_c.ptr && d_off.ptr);
+  DeviceBuffer<int32_t> d_off(off.size()), d_data_rows(p.data_rows);
+  ASSERT_TRUE(d_a.ptr && d_b.ptr && d_c.ptr && d_off.ptr && d_data_rows.ptr);
   CUDA_OK(cudaMemcpy(d_a.ptr, a.data(), a.size() * 2, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(d_b.ptr, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(d_off.ptr, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
-  const GroupedRows rows{p.max_rows, d_off.ptr, num_groups};
+  const GroupedRows rows = grouped_rows(p, d_off.ptr, d_data_rows.ptr);
   const size_t out_count = static_cast<size_t>(p.max_rows * p.n);
 
   std::vector<uint16_t> first, second(out_count);
@@ -212,19 +236,21 @@ void run_gate_up(const Problem& p, const ActivationParams& act) {
   const auto off = p.offsets();
   const int num_groups = static_cast<int>(p.rows_per_group.size());
   const size_t w_count = static_cast<size_t>(num_groups * p.n * p.k);
-  const auto a = random_bf16(static_cast<size_t>(p.max_rows * p.k), 42, 1.0f);
+  auto a = random_bf16(static_cast<size_t>(p.max_rows * p.k), 42, 1.0f);
+  zero_padding_rows(p, a, p.k);
   const auto wg = random_bf16(w_count, 43, 0.25f);
   const auto wu = random_bf16(w_count, 44, 0.25f);
   const size_t out_count = static_cast<size_t>(p.max_rows * p.n);
   DeviceBuffer<uint16_t> d_a(a.size()), d_wg(w_count), d_wu(w_count);
   DeviceBuffer<uint16_t> d_g(out_count), d_u(out_count), d_act(out_count);
-  DeviceBuffer<int32_t> d_off(off.size());
-  ASSERT_TRUE(d_a.ptr && d_wg.ptr && d_wu.ptr && d_g.ptr && d_u.ptr && d_act.ptr && d_off.ptr);
+  DeviceBuffer<int32_t> d_off(off.size()), d_data_rows(p.data_rows);
+  ASSERT_TRUE(d_a.ptr && d_wg.ptr && d_wu.ptr && d_g.ptr && d_u.ptr && d_act.ptr && d_off.ptr &&
+              d_data_rows.ptr);
   CUDA_OK(cudaMemcpy(d_a.ptr, a.data(), a.size() * 2, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(d_wg.ptr, wg.data(), w_count * 2, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(d_wu.ptr, wu.data(), w_count * 2, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(d_off.ptr, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
-  const GroupedRows rows{p.max_rows, d_off.ptr, num_groups};
+  const GroupedRows rows = grouped_rows(p, d_off.ptr, d_data_rows.ptr);
 
   std::vector<uint16_t> g[2], u[2], y[2];
   for (int run = 0; run < 2; ++run) {
@@ -324,15 +350,16 @@ void run_activation_backward(const Problem& p, const ActivationParams& act, int 
   const auto off = p.offsets();
   const int num_groups = static_cast<int>(p.rows_per_group.size());
   const int64_t n = p.n, k = p.k, d_ld = 2 * n;
-  const auto a = random_bf16(static_cast<size_t>(p.max_rows * k), 71, 1.0f);
+  auto a = random_bf16(static_cast<size_t>(p.max_rows * k), 71, 1.0f);
+  zero_padding_rows(p, a, k);
   const auto w = random_bf16(static_cast<size_t>(num_groups * k * n), 72, 0.25f);
   const auto g = random_bf16(static_cast<size_t>(p.max_rows * n), 73, 2.0f);  // reaches a clamp at 1
   const auto u = random_bf16(static_cast<size_t>(p.max_rows * n), 74, 2.0f);
   const size_t out_count = static_cast<size_t>(p.max_rows * d_ld);
   DeviceBuffer<uint16_t> d_a(a), d_w(w), d_g_in(g), d_u_in(u), d_out(out_count);
-  DeviceBuffer<int32_t> d_off(off);
-  ASSERT_TRUE(d_a.ptr && d_w.ptr && d_g_in.ptr && d_u_in.ptr && d_out.ptr && d_off.ptr);
-  const GroupedRows rows{p.max_rows, d_off.ptr + first_group, num_groups - first_group, max_ctas};
+  DeviceBuffer<int32_t> d_off(off), d_data_rows(p.data_rows);
+  ASSERT_TRUE(d_a.ptr && d_w.ptr && d_g_in.ptr && d_u_in.ptr && d_out.ptr && d_off.ptr && d_data_rows.ptr);
+  const GroupedRows rows = grouped_rows(p, d_off.ptr, d_data_rows.ptr, first_group, max_ctas);
   const uint16_t* w_slice = d_w.ptr + first_group * k * n;
   std::vector<uint16_t> out;
   ASSERT_NO_FATAL_FAILURE(run_twice(
@@ -377,14 +404,15 @@ void run_gemm_transposed(const Problem& p, int64_t k_split, int first_group = 0,
   const auto off = p.offsets();
   const int num_groups = static_cast<int>(p.rows_per_group.size());
   const int64_t n = p.n, k = p.k, k1 = k - k_split;
-  const auto a = random_bf16(static_cast<size_t>(p.max_rows * k), 75, 1.0f);
+  auto a = random_bf16(static_cast<size_t>(p.max_rows * k), 75, 1.0f);
+  zero_padding_rows(p, a, k);
   const auto b0 = random_bf16(static_cast<size_t>(num_groups * k_split * n), 76, 0.25f);
   const auto b1 = random_bf16(static_cast<size_t>(num_groups * k1 * n), 77, 0.25f);
   const size_t out_count = static_cast<size_t>(p.max_rows * n);
   DeviceBuffer<uint16_t> d_a(a), d_b0(b0), d_b1(b1), d_c(out_count);
-  DeviceBuffer<int32_t> d_off(off);
-  ASSERT_TRUE(d_a.ptr && d_b0.ptr && d_b1.ptr && d_c.ptr && d_off.ptr);
-  const GroupedRows rows{p.max_rows, d_off.ptr + first_group, num_groups - first_group, max_ctas};
+  DeviceBuffer<int32_t> d_off(off), d_data_rows(p.data_rows);
+  ASSERT_TRUE(d_a.ptr && d_b0.ptr && d_b1.ptr && d_c.ptr && d_off.ptr && d_data_rows.ptr);
+  const GroupedRows rows = grouped_rows(p, d_off.ptr, d_data_rows.ptr, first_group, max_ctas);
   const uint16_t* b0_slice = d_b0.ptr + first_group * k_split * n;
   const uint16_t* b1_slice = k1 > 0 ? d_b1.ptr + first_group * k1 * n : nullptr;
   std::vector<uint16_t> out;
@@ -444,9 +472,12 @@ void run_weight_grad_modes(const GroupedRows& rows, const uint16_t* a, int64_t a
 // fp32: within 1e-5 * sum |A B| of the fp64 sum; an empty group exactly zero. bf16: exactly the fp32 result
 // rounded. Accumulate into random fp32 values: exactly prefill + the fp32 result (one fp32 addition), so an
 // empty group leaves its prefill untouched.
+// With `data_rows`, A rows past each group's data are zero and the launch names them (group_rows): the
+// results must be bitwise those of a launch over every row.
 void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_rows, int64_t m, int64_t n,
-                     int max_ctas = 0) {
-  const auto off = Problem{rows_per_group, max_rows, n, m}.offsets();
+                     int max_ctas = 0, const std::vector<int32_t>& data_rows = {}) {
+  const Problem problem{rows_per_group, max_rows, n, m, 1, data_rows};
+  const auto off = problem.offsets();
   const int num_groups = static_cast<int>(rows_per_group.size());
   const int64_t a_ld = 2 * m, b_ld = n + 64;
   auto a = random_bf16(static_cast<size_t>(max_rows * a_ld), 81, 1.0f);
@@ -455,17 +486,30 @@ void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_row
     std::fill_n(a.begin() + r * a_ld, r < off.back() ? m : a_ld, kPoison);
     if (r >= off.back()) std::fill_n(b.begin() + r * b_ld, b_ld, kPoison);
   }
+  for (size_t g = 0; g < data_rows.size(); ++g) {
+    for (int64_t r = off[g] + data_rows[g]; r < off[g + 1]; ++r)
+      std::fill_n(a.begin() + r * a_ld + m, m, uint16_t{0});
+  }
   const size_t d_count = static_cast<size_t>(num_groups * m * n);
   std::vector<float> prefill(d_count);
   std::mt19937 gen(83);
   std::uniform_real_distribution<float> dist(-1.f, 1.f);
   for (float& v : prefill) v = dist(gen);
   DeviceBuffer<uint16_t> d_a(a), d_b(b);
-  DeviceBuffer<int32_t> d_off(off);
-  ASSERT_TRUE(d_a.ptr && d_b.ptr && d_off.ptr);
+  DeviceBuffer<int32_t> d_off(off), d_data_rows(data_rows);
+  ASSERT_TRUE(d_a.ptr && d_b.ptr && d_off.ptr && d_data_rows.ptr);
   WeightGradRuns runs;
-  ASSERT_NO_FATAL_FAILURE(run_weight_grad_modes({max_rows, d_off.ptr, num_groups, max_ctas}, d_a.ptr + m,
-                                                a_ld, m, d_b.ptr, b_ld, n, prefill, runs));
+  ASSERT_NO_FATAL_FAILURE(
+      run_weight_grad_modes(grouped_rows(problem, d_off.ptr, d_data_rows.ptr, 0, max_ctas), d_a.ptr + m, a_ld,
+                            m, d_b.ptr, b_ld, n, prefill, runs));
+  if (!data_rows.empty()) {
+    WeightGradRuns every_row;
+    ASSERT_NO_FATAL_FAILURE(run_weight_grad_modes({max_rows, d_off.ptr, num_groups, max_ctas}, d_a.ptr + m,
+                                                  a_ld, m, d_b.ptr, b_ld, n, prefill, every_row));
+    EXPECT_TRUE(runs.store32 == every_row.store32 && runs.store16 == every_row.store16 &&
+                runs.accumulated == every_row.accumulated)
+        << "skipping the K blocks past the data changed a weight gradient";
+  }
   const std::vector<float>& store32 = runs.store32;
   const std::vector<float>& accumulated = runs.accumulated;
   const std::vector<uint16_t>& store16 = runs.store16;
@@ -610,6 +654,37 @@ TEST(GroupedWeightGrad, ThreeModesEmptyGroupPartialTiles) {
 TEST(GroupedWeightGrad, FiveCtasLoopOverSixteenTiles) {
   SKIP_WITHOUT_GPU();
   run_weight_grad({256, 0, 128, 128}, 640, 192, 320, 5);
+}
+
+// Data rows (GroupedRows::group_rows): 40 of 128 rows and 320 of 384 leave a tile's upper 64 rows without
+// data (its second consumer warpgroup skips), 200 of 256 does not; n = 1088 ends in a 64-column tile.
+TEST(GroupedGemm, PaddingRowsSkippedNarrowEdgeTile) {
+  SKIP_WITHOUT_GPU();
+  run_grouped_gemm(Problem{{256, 128, 0, 384}, 896, 1088, 256, 1, {200, 40, 0, 320}});
+}
+
+TEST(GroupedGateUp, GptOssPaddingRowsSkippedHalfTile) {
+  SKIP_WITHOUT_GPU();
+  // n = 192: the second 128-wide gate/up tile holds 64 columns (two 64-wide wgmmas per K step).
+  run_gate_up(Problem{{128, 0, 256}, 512, 192, 256, 1, {60, 0, 250}},
+              ActivationParams{pounce::kernels::kActivationGptOss, 1.0f, 1.702f});
+}
+
+TEST(GroupedActivationBackward, PaddingRowsSkippedSliceOfGroups) {
+  SKIP_WITHOUT_GPU();
+  run_activation_backward(Problem{{256, 128, 128, 256}, 768, 320, 256, 1, {256, 10, 64, 129}},
+                          ActivationParams{pounce::kernels::kActivationGptOss, 1.0f, 1.702f}, 1, 3);
+}
+
+TEST(GroupedGemmTransposed, PaddingRowsSkippedSliceOfGroups) {
+  SKIP_WITHOUT_GPU();
+  run_gemm_transposed(Problem{{128, 256, 0, 128}, 640, 320, 384, 1, {1, 190, 0, 65}}, 192, 1, 2);
+}
+
+// K blocks past the data skipped: 130 of 256 rows (3 of 4 K blocks), 60 of 128, 300 of 384, an empty group.
+TEST(GroupedWeightGrad, PaddingRowsSkippedBitwise) {
+  SKIP_WITHOUT_GPU();
+  run_weight_grad({256, 128, 0, 384}, 1024, 192, 320, 0, {130, 60, 0, 300});
 }
 
 TEST(GroupedWeightGrad, ZeroCapacityStillOwesZeros) {
