@@ -233,12 +233,11 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
         "n"(kMnMajorB ? 1 : 0));
 }
 
-// The same for N = 128: the fragment's 64 registers are acc[kFirst ..], laid out as above (columns 0..127).
-template <bool kMnMajorA = false, bool kMnMajorB = false, int kFirst = 0>
-__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&acc)[128], uint64_t desc_a, uint64_t desc_b,
+// The same for N = 128 into the first 64 of the 128 accumulators (columns 0..127; the rest untouched), so
+// one accumulator array serves every width.
+template <bool kMnMajorA = false, bool kMnMajorB = false>
+__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
                                                       bool accumulate) {
-  static_assert(kFirst >= 0 && kFirst + 64 <= 128, "the fragment must lie inside the 128 accumulators");
-  float* d = acc + kFirst;
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
@@ -263,12 +262,11 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&acc)[128], uint64_
         "n"(kMnMajorB ? 1 : 0));
 }
 
-// The same for N = 64: the fragment's 32 registers are acc[kFirst ..], laid out as above (columns 0..63).
-template <bool kMnMajorA = false, bool kMnMajorB = false, int kFirst = 0>
-__device__ __forceinline__ void wgmma_m64n64k16_bf16(float (&acc)[128], uint64_t desc_a, uint64_t desc_b,
+// The same for N = 64 into the first 32 of the 128 accumulators (columns 0..63; the rest untouched), so
+// one accumulator array serves every width.
+template <bool kMnMajorA = false, bool kMnMajorB = false>
+__device__ __forceinline__ void wgmma_m64n64k16_bf16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
                                                      bool accumulate) {
-  static_assert(kFirst >= 0 && kFirst + 32 <= 128, "the fragment must lie inside the 128 accumulators");
-  float* d = acc + kFirst;
   asm volatile(
       "{\n"
       ".reg .pred p;\n"

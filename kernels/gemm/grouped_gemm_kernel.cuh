@@ -38,11 +38,11 @@ namespace pounce::kernels::gemm {
 // Tile extents
 // ---------------------------------------------------------------------------------------------------
 // The wgmma width one consumer warpgroup needs for a tile: the narrowest of 64, 128 and 256 columns that
-// covers the tile's columns below n (gate/up: 64 or 256, its gate and up halves alike), so an edge tile
-// (n % 256 == 64 for gpt-oss) issues a quarter of the tensor work; 0 (no wgmma at all) when all 64 of the
-// warpgroup's rows are padding: `upper_half_padding` from the caller for row groupings (a group's rows past
-// its data, GroupedGemmArgs::group_rows), weight-gradient rows at or beyond m. Columns and rows a narrower
-// wgmma leaves out are never stored, and skipped rows are exactly what zero rows of A give: zeros.
+// covers the tile's columns below n (gate/up always 256), so an edge tile (n % 256 == 64 for gpt-oss) issues
+// a quarter of the tensor work; 0 (no wgmma at all) when all 64 of the warpgroup's rows are padding:
+// `upper_half_padding` from the caller for row groupings (a group's rows past its data,
+// GroupedGemmArgs::group_rows), weight-gradient rows at or beyond m. Columns and rows a narrower wgmma leaves
+// out are never stored, and skipped rows are exactly what zero rows of A give: zeros.
 template <GemmKind kKind>
 __device__ __forceinline__ int32_t mma_columns(const GroupedGemmArgs& args, const Tile& tile,
                                                int consumer_idx, bool upper_half_padding) {
@@ -51,10 +51,10 @@ __device__ __forceinline__ int32_t mma_columns(const GroupedGemmArgs& args, cons
   } else {
     if (consumer_idx == 1 && upper_half_padding) return 0;
   }
-  const int32_t cols = args.n - tile.n_block * kOutBlockN<kKind.epilogue>;
   if constexpr (kKind.epilogue == Epilogue::kGateUpActivation) {
-    return cols <= 64 ? 64 : 256;
+    return 256;  // narrow gate/up wgmmas beside the skip cost ptxas the registers to pipeline any wgmma
   } else {
+    const int32_t cols = args.n - tile.n_block * kOutBlockN<kKind.epilogue>;
     return cols <= 64 ? 64 : cols <= 128 ? 128 : 256;
   }
 }
@@ -497,8 +497,7 @@ struct ReleaseToProducer {
   }
 };
 
-// A K block's wgmmas at width kCols (mma_columns). Gate/up at 64: the gate half's first 64 columns into
-// accumulators 0..31 and the up half's (B rows 128..) into 64..95, where the epilogue reads them.
+// A K block's wgmmas at width kCols (mma_columns): accumulators [0, kCols / 2) hold columns [0, kCols).
 template <GemmKind kKind, int kCols>
 __device__ __forceinline__ void issue_k_block(float (&acc)[128], uint32_t a_base, uint32_t b_base,
                                               bool accumulate) {
@@ -515,16 +514,14 @@ __device__ __forceinline__ void issue_k_block(float (&acc)[128], uint32_t a_base
       ptx::wgmma_m64n128k16_bf16<kMnA, kMnB>(acc, a, b, acc_in);
     } else {
       ptx::wgmma_m64n64k16_bf16<kMnA, kMnB>(acc, a, b, acc_in);
-      if constexpr (kKind.epilogue == Epilogue::kGateUpActivation) {
-        static_assert(kKind.b == Major::kK, "gate/up weights are K-major");
-        const uint64_t b_up = smem_desc<kKind.b>(b_base + (C::BLOCK_N / 2) * C::BLOCK_K * 2, kk);
-        ptx::wgmma_m64n64k16_bf16<kMnA, kMnB, 64>(acc, a, b_up, acc_in);
-      }
     }
   }
 }
 
-// K blocks [kb_begin, kb_end) at width kCols (0: wait for each stage and hand it back, acc = 0).
+// K blocks [kb_begin, kb_end) at width kCols. kCols = 0 (the warpgroup's rows are all padding): every stage
+// is waited for and handed back; a row tile's accumulators become what its zero A rows give, by one k16 wgmma
+// over the first stage (writing them with plain instructions would make ptxas serialise every wgmma of the
+// kernel); a weight-gradient tile's rows at or beyond m are never stored, so they stay as they are.
 template <GemmKind kKind, int kCols, typename Ring, typename Release>
 __device__ __forceinline__ bool multiply_k_blocks(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
                                                   int32_t kb_begin, int32_t kb_end, int consumer_idx,
@@ -532,24 +529,31 @@ __device__ __forceinline__ bool multiply_k_blocks(SharedStorage& ss, Ring& ring,
   using C = GemmConfig;
   // This warpgroup's 64 rows of A: rows 64c.. of a K-major tile, or box c of an M-major one; both 8 KB in.
   const uint32_t a_offset_bytes = consumer_idx * 64 * C::BLOCK_K * 2;
+  constexpr bool kZeroRows = kCols == 0 && kKind.grouping == Grouping::kRows;
   uint32_t prev_stage = 0;
-  if constexpr (kCols == 0) {  // opaque zeros: known constants would let the compiler clone the epilogue
-#pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("mov.b32 %0, 0;" : "=f"(acc[i]));
-  }
   for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
     if (!ptx::mbarrier_wait_parity_bounded(&ss.full[ring.stage], ring.phase, C::kWaitTimeoutNs)) {
       ptx::wgmma_wait_group<0>();  // leave no wgmma in flight behind
       record_error(args.error_flag, WaitError::kFullStage);
       return false;
     }
+    const uint32_t a_base = ptx::smem_addr(ss.stages[ring.stage].a) + a_offset_bytes;
+    const uint32_t b_base = ptx::smem_addr(ss.stages[ring.stage].b);
     if constexpr (kCols == 0) {
+      if (kZeroRows && kb == kb_begin) {
+        fence_accumulators(acc);
+        ptx::wgmma_fence();
+        ptx::wgmma_m64n256k16_bf16<kKind.a == Major::kMN, kKind.b == Major::kMN>(
+            acc, smem_desc<kKind.a>(a_base, 0), smem_desc<kKind.b>(b_base, 0), false);
+        ptx::wgmma_commit_group();
+        ptx::wgmma_wait_group<0>();
+        fence_accumulators(acc);
+      }
       release(ring.stage);  // the other warpgroup's wgmmas hold the stage until they arrive too
     } else {
       fence_accumulators(acc);
       ptx::wgmma_fence();
-      issue_k_block<kKind, kCols>(acc, ptx::smem_addr(ss.stages[ring.stage].a) + a_offset_bytes,
-                                  ptx::smem_addr(ss.stages[ring.stage].b), kb > kb_begin);
+      issue_k_block<kKind, kCols>(acc, a_base, b_base, kb > kb_begin);
       ptx::wgmma_commit_group();
       fence_accumulators(acc);
       if (kb > kb_begin) {
@@ -579,11 +583,12 @@ __device__ __forceinline__ bool multiply_tile(SharedStorage& ss, Ring& ring, con
     case 0:
       return multiply_k_blocks<kKind, 0>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
     case 64:
-      return multiply_k_blocks<kKind, 64>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
+      if constexpr (kKind.epilogue != Epilogue::kGateUpActivation)
+        return multiply_k_blocks<kKind, 64>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
+      break;
     case 128:
-      if constexpr (kKind.epilogue != Epilogue::kGateUpActivation) {
+      if constexpr (kKind.epilogue != Epilogue::kGateUpActivation)
         return multiply_k_blocks<kKind, 128>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
-      }
       break;
     default:
       break;
