@@ -26,9 +26,9 @@ bench bench_ep2 240 --tokens 8192 --impl fused fused-all
 [ "$(left)" -gt 100 ] && bench bench_ep2_16384_forward 95 --tokens 16384 --impl fused --pass forward
 [ "$(left)" -gt 70 ] && CUDA_VISIBLE_DEVICES=0 bench bench_ep1_forward 65 --ranks 1 --tokens 8192 --impl fused \
   --pass forward
-printf '%s\n' "${summary[@]}"
 for log in "$out"/bench_*.log; do
   echo "== $(basename "$log")"
-  tail -14 "$log"
+  grep -E "^(impl|fused|staged|baseline) " "$log"
 done
+printf '%s\n' "${summary[@]}"  # last: the tool shows the tail of the output
 exit 0

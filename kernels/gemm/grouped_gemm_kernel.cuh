@@ -143,11 +143,15 @@ using RingPosition = StageRing<GemmConfig::kNumStages>;
 
 // Loads the K blocks [kb_begin, kb_end) of one tile into the ring. False when a stage never became free
 // (recorded in args.error_flag).
-template <GemmKind kKind, typename Ring>
+// `after_loads(kb)` runs once K block kb's loads are issued (the fused backward takes its next ticket there).
+struct NoHook {
+  __device__ void operator()(int32_t) const {}
+};
+template <GemmKind kKind, typename Ring, typename AfterLoads = NoHook>
 __device__ __forceinline__ bool produce_tile(SharedStorage& ss, Ring& ring, const CUtensorMap& tmap_a,
                                              const CUtensorMap& tmap_b0, const CUtensorMap& tmap_b1,
                                              const GroupedGemmArgs& args, const Tile& tile, int32_t kb_begin,
-                                             int32_t kb_end) {
+                                             int32_t kb_end, AfterLoads after_loads = {}) {
   using C = GemmConfig;
   constexpr Epilogue kEpilogue = kKind.epilogue;
   const int32_t row0 = tile.m_block * C::BLOCK_M;
@@ -189,6 +193,7 @@ __device__ __forceinline__ bool produce_tile(SharedStorage& ss, Ring& ring, cons
                          tile.group);
     }
     ring.advance();
+    after_loads(kb);
   }
   return true;
 }
