@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -36,13 +37,39 @@ enum class Kind { kStore, kGateUp, kActivationBackward, kTransposed, kWeightGrad
 
 struct Case {
   const char* name;
-  std::vector<int32_t> rows_per_group;
-  int64_t n, k;  // weight gradient: output [n, k] per group
+  std::vector<int32_t> rows_per_group;  // multiples of 128
+  int64_t n, k;                         // weight gradient: output [n, k] per group
   Kind kind;
+  // Rows holding data per group (the rest of each segment is zero padding, as the layer's), empty = all;
+  // `name_data_rows`: the launch passes them (GroupedRows::group_rows) and the GEMM skips work on padding.
+  std::vector<int32_t> data_rows = {};
+  bool name_data_rows = false;
 };
 
 std::vector<int32_t> balanced(int groups, int rows) {
   return std::vector<int32_t>(groups, rows);
+}
+
+// Rows per local expert as routing gives them: about `mean` each (sd sqrt(mean), a fixed draw).
+std::vector<int32_t> routed(int groups, int mean) {
+  std::mt19937 gen(2026);
+  std::normal_distribution<double> dist(mean, std::sqrt(static_cast<double>(mean)));
+  std::vector<int32_t> out;
+  for (int g = 0; g < groups; ++g) out.push_back(std::max(1, static_cast<int>(std::lround(dist(gen)))));
+  return out;
+}
+// Segments of those rows padded to 128, as the schedule lays them out.
+std::vector<int32_t> padded(const std::vector<int32_t>& data_rows) {
+  std::vector<int32_t> out;
+  for (int32_t r : data_rows) out.push_back((r + 127) / 128 * 128);
+  return out;
+}
+// One case over routed rows, twice: the padding computed (group_rows null) and skipped.
+void add_routed(std::vector<Case>& cases, const char* name, const char* name_skip, int groups, int mean,
+                int64_t n, int64_t k, Kind kind) {
+  const std::vector<int32_t> data = routed(groups, mean);
+  cases.push_back({name, padded(data), n, k, kind, data, false});
+  cases.push_back({name_skip, padded(data), n, k, kind, data, true});
 }
 
 // Deterministic imbalance: 0..14 blocks of 128 rows per group, several empty groups.
@@ -101,8 +128,22 @@ void run_case(const Case& c) {
   BENCH_CUDA(cudaMemcpy(d_off, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
   fill_random(a, a_count);
   fill_random(w0, w_count);
+  int32_t* d_data_rows = nullptr;
+  int64_t useful_rows = rows;
+  if (!c.data_rows.empty()) {  // zero padding rows of A; FLOPs count the rows holding data
+    const int64_t a_cols = c.kind == Kind::kWeightGrad ? c.n : c.k;
+    useful_rows = 0;
+    for (int g = 0; g < num_groups; ++g) {
+      useful_rows += c.data_rows[g];
+      BENCH_CUDA(cudaMemset(a + (off[g] + c.data_rows[g]) * a_cols, 0,
+                            (off[g + 1] - off[g] - c.data_rows[g]) * a_cols * 2));
+    }
+    BENCH_CUDA(cudaMalloc(&d_data_rows, c.data_rows.size() * 4));
+    BENCH_CUDA(cudaMemcpy(d_data_rows, c.data_rows.data(), c.data_rows.size() * 4, cudaMemcpyHostToDevice));
+  }
 
-  const pounce::kernels::GroupedRows grouped{rows, d_off, num_groups};
+  pounce::kernels::GroupedRows grouped{rows, d_off, num_groups};
+  if (c.name_data_rows) grouped.group_rows = d_data_rows;
   const pounce::kernels::ActivationParams act{pounce::kernels::kActivationSwiGLU, 7.0f, 1.0f};
   auto launch = [&] {
     switch (c.kind) {
@@ -139,14 +180,14 @@ void run_case(const Case& c) {
   }
   std::sort(ms.begin(), ms.end());
   const double median_ms = ms[kIters / 2];
-  const double flops = 2.0 * rows * c.n * c.k * (c.kind == Kind::kGateUp ? 2 : 1);
+  const double flops = 2.0 * useful_rows * c.n * c.k * (c.kind == Kind::kGateUp ? 2 : 1);
   const int32_t err = pounce::kernels::grouped_gemm_error_code(true);
   std::printf("| %-28s | %4d | %7lld | %5lld | %5lld | %8.3f | %6.1f | %s |\n", c.name, num_groups,
               static_cast<long long>(rows), static_cast<long long>(c.n), static_cast<long long>(c.k),
               median_ms, flops / (median_ms * 1e-3) / 1e12, err == 0 ? "ok" : "WAIT-TIMEOUT");
-  for (void* p :
-       {static_cast<void*>(a), static_cast<void*>(w0), static_cast<void*>(w1), static_cast<void*>(o0),
-        static_cast<void*>(o1), static_cast<void*>(o2), static_cast<void*>(d_off)}) {
+  for (void* p : {static_cast<void*>(a), static_cast<void*>(w0), static_cast<void*>(w1),
+                  static_cast<void*>(o0), static_cast<void*>(o1), static_cast<void*>(o2),
+                  static_cast<void*>(d_off), static_cast<void*>(d_data_rows)}) {
     cudaFree(p);
   }
   cudaEventDestroy(start);
@@ -157,7 +198,7 @@ void run_case(const Case& c) {
 
 int main(int argc, char** argv) {
   const std::string filter = argc > 1 ? argv[1] : "";
-  const std::vector<Case> cases = {
+  std::vector<Case> cases = {
       {"deepseek-v3 gate_up", balanced(128, 1024), 2048, 7168, Kind::kGateUp},
       {"deepseek-v3 down", balanced(128, 1024), 7168, 2048, Kind::kStore},
       {"deepseek-v3 down skewed", skewed(128), 7168, 2048, Kind::kStore},
@@ -192,6 +233,18 @@ int main(int argc, char** argv) {
       {"gpt-oss-120b wgrad whole tiles", balanced(64, 512), 3072, 3072, Kind::kWeightGrad},
       {"gpt-oss-120b wgrad 1024 rows", balanced(64, 1024), 2880, 2880, Kind::kWeightGrad},
   };
+  // EP2 rows as routing gives them (about 512 per local expert, padded to 128): useful TFLOP/s with the
+  // padding computed, then skipped (GroupedRows::group_rows)
+  add_routed(cases, "deepseek-v3 routed gate_up", "deepseek-v3 routed gate_up skip", 128, 512, 2048, 7168,
+             Kind::kGateUp);
+  add_routed(cases, "deepseek-v3 routed down", "deepseek-v3 routed down skip", 128, 512, 7168, 2048,
+             Kind::kStore);
+  add_routed(cases, "deepseek-v3 routed wgrad", "deepseek-v3 routed wgrad skip", 128, 512, 2048, 7168,
+             Kind::kWeightGrad);
+  add_routed(cases, "gpt-oss-120b routed gate_up", "gpt-oss-120b routed gate_up skip", 64, 512, 2880, 2880,
+             Kind::kGateUp);
+  add_routed(cases, "gpt-oss-120b routed down", "gpt-oss-120b routed down skip", 64, 512, 2880, 2880,
+             Kind::kStore);
   cudaDeviceProp prop{};
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs; median of %d launches after %d warm-up\n", prop.name,
