@@ -241,6 +241,10 @@ int main(int argc, char** argv) {
              Kind::kStore);
   add_routed(cases, "deepseek-v3 routed wgrad", "deepseek-v3 routed wgrad skip", 128, 512, 2048, 7168,
              Kind::kWeightGrad);
+  add_routed(cases, "deepseek-v3 routed bwd act", "deepseek-v3 routed bwd act skip", 128, 512, 2048, 7168,
+             Kind::kActivationBackward);
+  add_routed(cases, "deepseek-v3 routed bwd d_x", "deepseek-v3 routed bwd d_x skip", 128, 512, 7168, 4096,
+             Kind::kTransposed);
   add_routed(cases, "gpt-oss-120b routed gate_up", "gpt-oss-120b routed gate_up skip", 64, 512, 2880, 2880,
              Kind::kGateUp);
   add_routed(cases, "gpt-oss-120b routed down", "gpt-oss-120b routed down skip", 64, 512, 2880, 2880,

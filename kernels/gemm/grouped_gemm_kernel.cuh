@@ -37,26 +37,25 @@ namespace pounce::kernels::gemm {
 // ---------------------------------------------------------------------------------------------------
 // Tile extents
 // ---------------------------------------------------------------------------------------------------
-// The wgmma width one consumer warpgroup needs for a tile: the narrowest of 64, 128 and 256 columns that
-// covers the tile's columns below n (gate/up always 256), so an edge tile (n % 256 == 64 for gpt-oss) issues
-// a quarter of the tensor work; 0 (no wgmma at all) when all 64 of the warpgroup's rows are padding:
-// `upper_half_padding` from the caller for row groupings (a group's rows past its data,
-// GroupedGemmArgs::group_rows), weight-gradient rows at or beyond m. Columns and rows a narrower wgmma leaves
-// out are never stored, and skipped rows are exactly what zero rows of A give: zeros.
+// The wgmma width one consumer warpgroup needs for a tile: 64 columns for an edge tile with at most 64
+// columns below n (n % 256 == 64: gpt-oss's 2880), a quarter of the tensor work, else 256; 0 (no wgmma at
+// all) when all 64 of the warpgroup's rows are padding: `upper_half_padding` from the caller for row
+// groupings (a group's rows past its data, GroupedGemmArgs::group_rows), weight-gradient rows at or beyond m.
+// Columns and rows a narrower wgmma leaves out are never stored, and skipped rows are exactly what zero rows
+// of A give. Gate/up always runs 256 wide on every row, and no other width than 64 is offered: with more code
+// paths the fused kernels' register allocation no longer pipelines their wgmmas (cmake/ptxas_guard.sh), and
+// gate/up with the skip ran 25 % slower on deepseek (bench/results/padding_h200_2026-11-30.txt).
 template <GemmKind kKind>
 __device__ __forceinline__ int32_t mma_columns(const GroupedGemmArgs& args, const Tile& tile,
                                                int consumer_idx, bool upper_half_padding) {
   if constexpr (kKind.grouping == Grouping::kReduction) {
     if (tile.m_block * GemmConfig::BLOCK_M + 64 * consumer_idx >= args.m) return 0;
+  } else if constexpr (kKind.epilogue == Epilogue::kGateUpActivation) {
+    return 256;
   } else {
     if (consumer_idx == 1 && upper_half_padding) return 0;
   }
-  if constexpr (kKind.epilogue == Epilogue::kGateUpActivation) {
-    return 256;  // narrow gate/up wgmmas beside the skip cost ptxas the registers to pipeline any wgmma
-  } else {
-    const int32_t cols = args.n - tile.n_block * kOutBlockN<kKind.epilogue>;
-    return cols <= 64 ? 64 : cols <= 128 ? 128 : 256;
-  }
+  return args.n - tile.n_block * kOutBlockN<kKind.epilogue> <= 64 ? 64 : 256;
 }
 
 // Rows 64..127 of a row-grouped tile hold no data (its group's rows end at or before row 64 of the tile),
@@ -515,8 +514,6 @@ __device__ __forceinline__ void issue_k_block(float (&acc)[128], uint32_t a_base
     const bool acc_in = accumulate || kk > 0;
     if constexpr (kCols == 256) {
       ptx::wgmma_m64n256k16_bf16<kMnA, kMnB>(acc, a, b, acc_in);
-    } else if constexpr (kCols == 128) {
-      ptx::wgmma_m64n128k16_bf16<kMnA, kMnB>(acc, a, b, acc_in);
     } else {
       ptx::wgmma_m64n64k16_bf16<kMnA, kMnB>(acc, a, b, acc_in);
     }
@@ -584,19 +581,11 @@ template <GemmKind kKind, typename Ring, typename Release>
 __device__ __forceinline__ bool multiply_tile(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
                                               int32_t kb_begin, int32_t kb_end, int consumer_idx,
                                               int32_t mma_cols, float (&acc)[128], Release release) {
-  switch (mma_cols) {
-    case 0:
+  if constexpr (kKind.epilogue != Epilogue::kGateUpActivation) {  // always 256 (mma_columns)
+    if (mma_cols == 0)
       return multiply_k_blocks<kKind, 0>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
-    case 64:
-      if constexpr (kKind.epilogue != Epilogue::kGateUpActivation)
-        return multiply_k_blocks<kKind, 64>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
-      break;
-    case 128:
-      if constexpr (kKind.epilogue != Epilogue::kGateUpActivation)
-        return multiply_k_blocks<kKind, 128>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
-      break;
-    default:
-      break;
+    if (mma_cols == 64)
+      return multiply_k_blocks<kKind, 64>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
   }
   return multiply_k_blocks<kKind, 256>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
 }

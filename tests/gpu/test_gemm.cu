@@ -665,7 +665,7 @@ TEST(GroupedGemm, PaddingRowsSkippedNarrowEdgeTile) {
 
 TEST(GroupedGateUp, GptOssPaddingRowsSkippedHalfTile) {
   SKIP_WITHOUT_GPU();
-  // n = 192: the second 128-wide gate/up tile holds 64 columns (two 64-wide wgmmas per K step).
+  // Gate/up computes its padding rows (mma_columns): zero rows of A still give zeros there.
   run_gate_up(Problem{{128, 0, 256}, 512, 192, 256, 1, {60, 0, 250}},
               ActivationParams{pounce::kernels::kActivationGptOss, 1.0f, 1.702f});
 }
