@@ -663,7 +663,7 @@ TEST(GroupedGemm, PaddingRowsSkippedNarrowEdgeTile) {
   run_grouped_gemm(Problem{{256, 128, 0, 384}, 896, 1088, 256, 1, {200, 40, 0, 320}});
 }
 
-TEST(GroupedGateUp, GptOssPaddingRowsSkippedHalfTile) {
+TEST(GroupedGateUp, GptOssDataRowsComputedWhole) {
   SKIP_WITHOUT_GPU();
   // Gate/up computes its padding rows (mma_columns): zero rows of A still give zeros there.
   run_gate_up(Problem{{128, 0, 256}, 512, 192, 256, 1, {60, 0, 250}},
