@@ -40,10 +40,10 @@ struct Case {
   std::vector<int32_t> rows_per_group;  // multiples of 128
   int64_t n, k;                         // weight gradient: output [n, k] per group
   Kind kind;
-  // Rows holding data per group (the rest of each segment is zero padding, as the layer's), empty = all;
-  // `name_data_rows`: the launch passes them (GroupedRows::group_rows) and the GEMM skips work on padding.
+  // Rows holding data per group (the rest of each segment is zero padding, as the layer's), empty = all. With
+  // them the case runs twice, launches interleaved (clocks drift between cases by 10-25 % on the long ones):
+  // the padding computed, and named (GroupedRows::group_rows) so that the GEMM skips work on it.
   std::vector<int32_t> data_rows = {};
-  bool name_data_rows = false;
 };
 
 std::vector<int32_t> balanced(int groups, int rows) {
@@ -64,12 +64,10 @@ std::vector<int32_t> padded(const std::vector<int32_t>& data_rows) {
   for (int32_t r : data_rows) out.push_back((r + 127) / 128 * 128);
   return out;
 }
-// One case over routed rows, twice: the padding computed (group_rows null) and skipped.
-void add_routed(std::vector<Case>& cases, const char* name, const char* name_skip, int groups, int mean,
-                int64_t n, int64_t k, Kind kind) {
+// One case over routed rows.
+Case routed_case(const char* name, int groups, int mean, int64_t n, int64_t k, Kind kind) {
   const std::vector<int32_t> data = routed(groups, mean);
-  cases.push_back({name, padded(data), n, k, kind, data, false});
-  cases.push_back({name_skip, padded(data), n, k, kind, data, true});
+  return {name, padded(data), n, k, kind, data};
 }
 
 // Deterministic imbalance: 0..14 blocks of 128 rows per group, several empty groups.
@@ -142,10 +140,11 @@ void run_case(const Case& c) {
     BENCH_CUDA(cudaMemcpy(d_data_rows, c.data_rows.data(), c.data_rows.size() * 4, cudaMemcpyHostToDevice));
   }
 
-  pounce::kernels::GroupedRows grouped{rows, d_off, num_groups};
-  if (c.name_data_rows) grouped.group_rows = d_data_rows;
+  const pounce::kernels::GroupedRows plain{rows, d_off, num_groups};
+  pounce::kernels::GroupedRows named = plain;
+  named.group_rows = d_data_rows;
   const pounce::kernels::ActivationParams act{pounce::kernels::kActivationSwiGLU, 7.0f, 1.0f};
-  auto launch = [&] {
+  auto launch = [&](const pounce::kernels::GroupedRows& grouped) {
     switch (c.kind) {
       case Kind::kGateUp:
         pounce::kernels::grouped_gate_up(grouped, a, w0, w1, o0, o1, o2, c.n, c.k, act, nullptr);
@@ -169,22 +168,31 @@ void run_case(const Case& c) {
   cudaEvent_t start, stop;
   BENCH_CUDA(cudaEventCreate(&start));
   BENCH_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < kWarmup; ++i) launch();
-  std::vector<float> ms(kIters);
-  for (int i = 0; i < kIters; ++i) {
-    BENCH_CUDA(cudaEventRecord(start));
-    launch();
-    BENCH_CUDA(cudaEventRecord(stop));
-    BENCH_CUDA(cudaEventSynchronize(stop));
-    BENCH_CUDA(cudaEventElapsedTime(&ms[i], start, stop));
+  const int variants = c.data_rows.empty() ? 1 : 2;
+  const pounce::kernels::GroupedRows* launches[2] = {&plain, &named};
+  for (int i = 0; i < kWarmup; ++i) {
+    for (int v = 0; v < variants; ++v) launch(*launches[v]);
   }
-  std::sort(ms.begin(), ms.end());
-  const double median_ms = ms[kIters / 2];
+  std::vector<float> ms[2] = {std::vector<float>(kIters), std::vector<float>(kIters)};
+  for (int i = 0; i < kIters; ++i) {
+    for (int v = 0; v < variants; ++v) {
+      BENCH_CUDA(cudaEventRecord(start));
+      launch(*launches[v]);
+      BENCH_CUDA(cudaEventRecord(stop));
+      BENCH_CUDA(cudaEventSynchronize(stop));
+      BENCH_CUDA(cudaEventElapsedTime(&ms[v][i], start, stop));
+    }
+  }
   const double flops = 2.0 * useful_rows * c.n * c.k * (c.kind == Kind::kGateUp ? 2 : 1);
   const int32_t err = pounce::kernels::grouped_gemm_error_code(true);
-  std::printf("| %-28s | %4d | %7lld | %5lld | %5lld | %8.3f | %6.1f | %s |\n", c.name, num_groups,
-              static_cast<long long>(rows), static_cast<long long>(c.n), static_cast<long long>(c.k),
-              median_ms, flops / (median_ms * 1e-3) / 1e12, err == 0 ? "ok" : "WAIT-TIMEOUT");
+  for (int v = 0; v < variants; ++v) {
+    std::sort(ms[v].begin(), ms[v].end());
+    const double median_ms = ms[v][kIters / 2];
+    const std::string name = std::string(c.name) + (v == 1 ? " skip" : "");
+    std::printf("| %-28s | %4d | %7lld | %5lld | %5lld | %8.3f | %6.1f | %s |\n", name.c_str(), num_groups,
+                static_cast<long long>(rows), static_cast<long long>(c.n), static_cast<long long>(c.k),
+                median_ms, flops / (median_ms * 1e-3) / 1e12, err == 0 ? "ok" : "WAIT-TIMEOUT");
+  }
   for (void* p : {static_cast<void*>(a), static_cast<void*>(w0), static_cast<void*>(w1),
                   static_cast<void*>(o0), static_cast<void*>(o1), static_cast<void*>(o2),
                   static_cast<void*>(d_off), static_cast<void*>(d_data_rows)}) {
@@ -234,21 +242,16 @@ int main(int argc, char** argv) {
       {"gpt-oss-120b wgrad 1024 rows", balanced(64, 1024), 2880, 2880, Kind::kWeightGrad},
   };
   // EP2 rows as routing gives them (about 512 per local expert, padded to 128): useful TFLOP/s with the
-  // padding computed, then skipped (GroupedRows::group_rows)
-  add_routed(cases, "deepseek-v3 routed gate_up", "deepseek-v3 routed gate_up skip", 128, 512, 2048, 7168,
-             Kind::kGateUp);
-  add_routed(cases, "deepseek-v3 routed down", "deepseek-v3 routed down skip", 128, 512, 7168, 2048,
-             Kind::kStore);
-  add_routed(cases, "deepseek-v3 routed wgrad", "deepseek-v3 routed wgrad skip", 128, 512, 2048, 7168,
-             Kind::kWeightGrad);
-  add_routed(cases, "deepseek-v3 routed bwd act", "deepseek-v3 routed bwd act skip", 128, 512, 2048, 7168,
-             Kind::kActivationBackward);
-  add_routed(cases, "deepseek-v3 routed bwd d_x", "deepseek-v3 routed bwd d_x skip", 128, 512, 7168, 4096,
-             Kind::kTransposed);
-  add_routed(cases, "gpt-oss-120b routed gate_up", "gpt-oss-120b routed gate_up skip", 64, 512, 2880, 2880,
-             Kind::kGateUp);
-  add_routed(cases, "gpt-oss-120b routed down", "gpt-oss-120b routed down skip", 64, 512, 2880, 2880,
-             Kind::kStore);
+  // padding computed, and with it named (GroupedRows::group_rows, "skip")
+  cases.push_back(routed_case("deepseek-v3 routed gate_up", 128, 512, 2048, 7168, Kind::kGateUp));
+  cases.push_back(routed_case("deepseek-v3 routed down", 128, 512, 7168, 2048, Kind::kStore));
+  cases.push_back(routed_case("deepseek-v3 routed wgrad", 128, 512, 2048, 7168, Kind::kWeightGrad));
+  cases.push_back(routed_case("deepseek-v3 routed bwd act", 128, 512, 2048, 7168, Kind::kActivationBackward));
+  cases.push_back(routed_case("deepseek-v3 routed bwd d_x", 128, 512, 7168, 4096, Kind::kTransposed));
+  cases.push_back(routed_case("gpt-oss-120b routed gate_up", 64, 512, 2880, 2880, Kind::kGateUp));
+  cases.push_back(routed_case("gpt-oss-120b routed down", 64, 512, 2880, 2880, Kind::kStore));
+  cases.push_back(routed_case("gpt-oss-120b routed bwd act", 64, 512, 2880, 2880, Kind::kActivationBackward));
+  cases.push_back(routed_case("gpt-oss-120b routed wgrad", 64, 512, 2880, 2880, Kind::kWeightGrad));
   cudaDeviceProp prop{};
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs; median of %d launches after %d warm-up\n", prop.name,
