@@ -114,8 +114,6 @@ struct BackwardScheduler {
   int32_t checked_weight = -1;  // the (weight kind, group) whose inputs were last found ready
   int32_t checked_group = -1;
   bool all_rows_ready = false;  // the last routed unit pulled: every unit is (each CTA pulls in order)
-  // The next ticket, taken by produce_task while a weight-gradient tile loads; -1: none taken.
-  int32_t ticket_ahead = -1;
 
   __device__ explicit BackwardScheduler(const FusedBackwardParams& params)
       : p(params), shape(task_shape_of(params)), cursor(shape) {}
@@ -178,17 +176,13 @@ struct BackwardScheduler {
     return true;
   }
 
-  __device__ int32_t take_ticket() const {
-    return static_cast<int32_t>(atomicAdd(counters_of(p.ws).ticket(), 1u));
-  }
   __device__ void operator()(BackwardTask& task) {
     task = BackwardTask{BackwardTaskKind::kEnd, 0, 0, 0, 0, WeightGradKind::kSharedDown};
     // After a failure anywhere, no new tile (tiles without inputs to wait on would never notice).
     if (aborted(p.ws)) return;
     // A macrobatch's launch skips the weight-gradient tiles of experts it does not hold (group_active).
     for (;;) {
-      const int32_t ticket = ticket_ahead >= 0 ? ticket_ahead : take_ticket();
-      ticket_ahead = -1;
+      const int32_t ticket = static_cast<int32_t>(atomicAdd(counters_of(p.ws).ticket(), 1u));
       if (!cursor.at(ticket, task)) {
         task.kind = BackwardTaskKind::kEnd;
         return;
@@ -228,15 +222,10 @@ struct BackwardScheduler {
   }
 };
 
-// Producer thread, then: the task's stages into the ring. A weight-gradient tile takes the next ticket once a
-// ring's worth of its stages is issued (where the producer would wait for a free stage anyway), so that its
-// round trip is not paid between two short tiles (8 K blocks at EP2 on deepseek). Every later ticket is a
-// weight-gradient tile, which nothing waits on: claiming one a tile early delays no one (a deeper lookahead
-// of every kind did, docs/design.md). The atomic is written out here, not through a scheduler method: that
-// variant cost ptxas the registers to pipeline the consumers' wgmmas (cmake/ptxas_guard.sh).
+// Producer thread, then: the task's stages into the ring.
 __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss,
                                              kernels::gemm::RingPosition& ring, const FusedBackwardParams& p,
-                                             const BackwardTask& task, BackwardScheduler& scheduler) {
+                                             const BackwardTask& task) {
   auto produce = [&](auto kind_tag, const kernels::GemmOperands& o, int32_t group, int32_t kb_begin,
                      int32_t kb_end) {
     constexpr kernels::gemm::GemmKind kKind = decltype(kind_tag)::value;
@@ -256,13 +245,7 @@ __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss,
       const kernels::GemmOperands& o = p.weight_grad[static_cast<int>(task.weight)];
       int32_t kb_begin, kb_end;
       weight_grad_k_range(o.args, task.group, kb_begin, kb_end);
-      const int32_t kb_ahead = min(kb_end, kb_begin + GemmConfig::kNumStages) - 1;
-      const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};
-      return kernels::gemm::produce_tile<kWeightGradGemm>(
-          ss, ring, o.a, o.b0, o.b1, o.args, tile, kb_begin, kb_end, [&](int32_t kb) {
-            if (kb == kb_ahead)
-              scheduler.ticket_ahead = static_cast<int32_t>(atomicAdd(counters_of(p.ws).ticket(), 1u));
-          });
+      return produce(GemmTag<kWeightGradGemm>{}, o, task.group, kb_begin, kb_end);
     }
     case BackwardTaskKind::kReplayGateUp:
       return produce(GemmTag<kReplayGemm>{}, p.replay_gate_up, task.group, 0,
@@ -360,7 +343,7 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
   run_compute_cta(
       params.ws, slots, scheduler, params,
       [&](const BackwardTask& task, kernels::gemm::RingPosition& ring) {
-        return produce_task(ss, ring, params, task, scheduler.get());
+        return produce_task(ss, ring, params, task);
       },
       [&](const BackwardTask& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done) {
         return consume_task(ss, ring, params, task, threadIdx.x / 128 - 1, acc, done);

@@ -315,8 +315,6 @@ struct SchedulerStorage {
   __device__ Scheduler& construct(const Args&... args) {
     return *new (bytes) Scheduler(args...);
   }
-  // The scheduler construct() built (the producer thread, after it).
-  __device__ Scheduler& get() { return *reinterpret_cast<Scheduler*>(bytes); }
 };
 
 // The producer thread: `next(task)` takes a ticket and waits for the task's inputs (task.kind == kEnd at the

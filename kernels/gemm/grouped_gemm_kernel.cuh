@@ -39,12 +39,15 @@ namespace pounce::kernels::gemm {
 // ---------------------------------------------------------------------------------------------------
 // The wgmma width one consumer warpgroup needs for a tile: 64 columns for an edge tile with at most 64
 // columns below n (n % 256 == 64: gpt-oss's 2880), a quarter of the tensor work, else 256; 0 (no wgmma at
-// all) when all 64 of the warpgroup's rows are padding: `upper_half_padding` from the caller for row
-// groupings (a group's rows past its data, GroupedGemmArgs::group_rows), weight-gradient rows at or beyond m.
-// Columns and rows a narrower wgmma leaves out are never stored, and skipped rows are exactly what zero rows
-// of A give. Gate/up always runs 256 wide on every row, and no other width than 64 is offered: with more code
-// paths the fused kernels' register allocation no longer pipelines their wgmmas (cmake/ptxas_guard.sh), and
-// gate/up with the skip ran 25 % slower on deepseek (bench/results/padding_h200_2026-11-30.txt).
+// all) when all 64 of the warpgroup's rows are padding: weight-gradient rows at or beyond m, and for C
+// (forward down, d_x) a group's rows past its data (`upper_half_padding`, from GroupedGemmArgs::group_rows or
+// the fused schedulers). Columns and rows a narrower wgmma leaves out are never stored; skipped rows get
+// exactly what zero rows of A give. Measured with the launches interleaved
+// (bench/results/padding_h200_2026-11-30.txt, deepseek / gpt-oss EP2 rows): the row skip speeds C up 3 % / 2
+// % but slows the activation backward 20 % / 3 % (its warpgroups drift apart: one multiplies alone while the
+// other runs the long epilogue), so gate/up and the activation backward compute their padding rows. Gate/up
+// always runs 256 wide, and no width but 64 is offered: with more code paths the fused kernels' register
+// allocation no longer pipelines their wgmmas (cmake/ptxas_guard.sh).
 template <GemmKind kKind>
 __device__ __forceinline__ int32_t mma_columns(const GroupedGemmArgs& args, const Tile& tile,
                                                int consumer_idx, bool upper_half_padding) {
@@ -52,7 +55,7 @@ __device__ __forceinline__ int32_t mma_columns(const GroupedGemmArgs& args, cons
     if (tile.m_block * GemmConfig::BLOCK_M + 64 * consumer_idx >= args.m) return 0;
   } else if constexpr (kKind.epilogue == Epilogue::kGateUpActivation) {
     return 256;
-  } else {
+  } else if constexpr (kKind.epilogue == Epilogue::kStore) {
     if (consumer_idx == 1 && upper_half_padding) return 0;
   }
   return args.n - tile.n_block * kOutBlockN<kKind.epilogue> <= 64 ? 64 : 256;
@@ -142,15 +145,11 @@ using RingPosition = StageRing<GemmConfig::kNumStages>;
 
 // Loads the K blocks [kb_begin, kb_end) of one tile into the ring. False when a stage never became free
 // (recorded in args.error_flag).
-// `after_loads(kb)` runs once K block kb's loads are issued (the fused backward takes its next ticket there).
-struct NoHook {
-  __device__ void operator()(int32_t) const {}
-};
-template <GemmKind kKind, typename Ring, typename AfterLoads = NoHook>
+template <GemmKind kKind, typename Ring>
 __device__ __forceinline__ bool produce_tile(SharedStorage& ss, Ring& ring, const CUtensorMap& tmap_a,
                                              const CUtensorMap& tmap_b0, const CUtensorMap& tmap_b1,
                                              const GroupedGemmArgs& args, const Tile& tile, int32_t kb_begin,
-                                             int32_t kb_end, AfterLoads after_loads = {}) {
+                                             int32_t kb_end) {
   using C = GemmConfig;
   constexpr Epilogue kEpilogue = kKind.epilogue;
   const int32_t row0 = tile.m_block * C::BLOCK_M;
@@ -192,7 +191,6 @@ __device__ __forceinline__ bool produce_tile(SharedStorage& ss, Ring& ring, cons
                          tile.group);
     }
     ring.advance();
-    after_loads(kb);
   }
   return true;
 }

@@ -11,9 +11,9 @@
 // As the pipelined staged passes launch them, some cases run over a slice of the groups (group_row_offset
 // + first, so offset[0] > 0; rows outside the slice must stay poisoned) and on a capped grid (max_ctas).
 // Cases with data rows (GroupedRows::group_rows) zero A past each group's data, as the layer's padding rows
-// are: the kernels skip the work there (a consumer warpgroup with only padding rows, weight-gradient K blocks
-// past the data), and the outputs must still be the reference's (zeros on padding rows; a weight gradient
-// bitwise the one computed over every row).
+// are: C skips a consumer warpgroup with only padding rows and the weight gradients the K blocks past the data
+// (gate/up and the activation backward compute them), and the outputs must still be the reference's (zeros on
+// padding rows; a weight gradient bitwise the one computed over every row).
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -670,7 +670,7 @@ TEST(GroupedGateUp, GptOssDataRowsComputedWhole) {
               ActivationParams{pounce::kernels::kActivationGptOss, 1.0f, 1.702f});
 }
 
-TEST(GroupedActivationBackward, PaddingRowsSkippedSliceOfGroups) {
+TEST(GroupedActivationBackward, DataRowsComputedWholeSliceOfGroups) {
   SKIP_WITHOUT_GPU();
   run_activation_backward(Problem{{256, 128, 128, 256}, 768, 320, 256, 1, {256, 10, 64, 129}},
                           ActivationParams{pounce::kernels::kActivationGptOss, 1.0f, 1.702f}, 1, 3);
