@@ -44,6 +44,7 @@ void check_device_errors(GpuWorkspace& workspace);
 struct ForwardContextView {
   const int32_t* schedule = nullptr;          // [rows_capacity][4]: src_rank, src_token, slot, -1
   const int32_t* group_row_offset = nullptr;  // [El + 1], padded segment offsets
+  const int32_t* group_rows = nullptr;        // [El], rows of each segment holding data
   const int32_t* expert_src_count = nullptr;  // [El][R], pairs per (local expert, source rank)
   const void* x_rows = nullptr;               // bf16 [rows_capacity][H]
   const void* act_rows = nullptr;             // bf16 [rows_capacity][I]

@@ -518,6 +518,7 @@ ForwardContextView forward_context(const GpuWorkspace& workspace) {
   ForwardContextView view;
   view.schedule = reinterpret_cast<const int32_t*>(p.schedule);
   view.group_row_offset = p.group_row_offset;
+  view.group_rows = p.group_rows;
   view.expert_src_count = p.expert_src_count;
   view.x_rows = p.x_rows;
   view.act_rows = p.act_rows;

@@ -11,9 +11,9 @@
 // As the pipelined staged passes launch them, some cases run over a slice of the groups (group_row_offset
 // + first, so offset[0] > 0; rows outside the slice must stay poisoned) and on a capped grid (max_ctas).
 // Cases with data rows (GroupedRows::group_rows) zero A past each group's data, as the layer's padding rows
-// are: C skips a consumer warpgroup with only padding rows and the weight gradients the K blocks past the data
-// (gate/up and the activation backward compute them), and the outputs must still be the reference's (zeros on
-// padding rows; a weight gradient bitwise the one computed over every row).
+// are: C skips a consumer warpgroup with only padding rows and the weight gradients the K blocks past the
+// data (gate/up and the activation backward compute them), and the outputs must still be the reference's
+// (zeros on padding rows; a weight gradient bitwise the one computed over every row).
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -193,19 +193,35 @@ int64_t count_unpoisoned_head(const std::vector<uint16_t>& out, int64_t first_ro
   return std::count_if(out.begin(), out.begin() + first_row * n, [](uint16_t v) { return v != kPoison; });
 }
 
-void run_grouped_gemm(const Problem& p) {
+// `max_ctas` caps the grid (CTAs loop over tiles). With data rows, the A rows of a tile's upper half that
+// holds no data keep zeros only in their first 16 columns and hold NaNs past them on the device (the
+// reference sees zeros): C skips that half, whose accumulators come from one k16 wgmma over those first
+// columns, so its output rows are zeros only if the skip happened.
+void run_grouped_gemm(const Problem& p, int max_ctas = 0) {
   const auto off = p.offsets();
   const int num_groups = static_cast<int>(p.rows_per_group.size());
   auto a = random_bf16(static_cast<size_t>(p.max_rows * p.k), 1234, 1.0f);
   zero_padding_rows(p, a, p.k);
+  auto a_device = a;
+  int64_t skipped_halves = 0;
+  for (size_t g = 0; g < p.data_rows.size(); ++g) {
+    const int64_t data_end = off[g] + p.data_rows[g];
+    for (int64_t half = off[g] + 64; half < off[g + 1]; half += 128) {
+      if (half < data_end) continue;
+      ++skipped_halves;
+      for (int64_t r = half; r < half + 64; ++r)
+        std::fill(a_device.begin() + r * p.k + 16, a_device.begin() + (r + 1) * p.k, kPoison);
+    }
+  }
+  if (!p.data_rows.empty()) ASSERT_GT(skipped_halves, 0) << "the case has no upper half without data";
   const auto b = random_bf16(static_cast<size_t>(num_groups * p.n * p.k), 5678, 0.25f);
   DeviceBuffer<uint16_t> d_a(a.size()), d_b(b.size()), d_c(static_cast<size_t>(p.max_rows * p.n));
   DeviceBuffer<int32_t> d_off(off.size()), d_data_rows(p.data_rows);
   ASSERT_TRUE(d_a.ptr && d_b.ptr && d_c.ptr && d_off.ptr && d_data_rows.ptr);
-  CUDA_OK(cudaMemcpy(d_a.ptr, a.data(), a.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_a.ptr, a_device.data(), a.size() * 2, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(d_b.ptr, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(d_off.ptr, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
-  const GroupedRows rows = grouped_rows(p, d_off.ptr, d_data_rows.ptr);
+  const GroupedRows rows = grouped_rows(p, d_off.ptr, d_data_rows.ptr, 0, max_ctas);
   const size_t out_count = static_cast<size_t>(p.max_rows * p.n);
 
   std::vector<uint16_t> first, second(out_count);
@@ -503,12 +519,32 @@ void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_row
       run_weight_grad_modes(grouped_rows(problem, d_off.ptr, d_data_rows.ptr, 0, max_ctas), d_a.ptr + m, a_ld,
                             m, d_b.ptr, b_ld, n, prefill, runs));
   if (!data_rows.empty()) {
+    auto same_bits = [](const WeightGradRuns& x, const WeightGradRuns& y) {
+      return std::memcmp(x.store32.data(), y.store32.data(), x.store32.size() * 4) == 0 &&
+             std::memcmp(x.store16.data(), y.store16.data(), x.store16.size() * 2) == 0 &&
+             std::memcmp(x.accumulated.data(), y.accumulated.data(), x.accumulated.size() * 4) == 0;
+    };
     WeightGradRuns every_row;
     ASSERT_NO_FATAL_FAILURE(run_weight_grad_modes({max_rows, d_off.ptr, num_groups, max_ctas}, d_a.ptr + m,
                                                   a_ld, m, d_b.ptr, b_ld, n, prefill, every_row));
-    EXPECT_TRUE(runs.store32 == every_row.store32 && runs.store16 == every_row.store16 &&
-                runs.accumulated == every_row.accumulated)
+    EXPECT_TRUE(same_bits(runs, every_row))
         << "skipping the K blocks past the data changed a weight gradient";
+    // B rows of the K blocks wholly past the data set to NaN: the sums stay finite (bitwise the same) only if
+    // those K blocks are skipped (zero A times NaN is NaN).
+    auto b_nan = b;
+    int64_t nan_rows = 0;
+    for (size_t g = 0; g < data_rows.size(); ++g) {
+      const int64_t first_skipped = off[g] + (data_rows[g] + 63) / 64 * 64;
+      for (int64_t r = first_skipped; r < off[g + 1]; ++r, ++nan_rows)
+        std::fill_n(b_nan.begin() + r * b_ld, n, kPoison);
+    }
+    ASSERT_GT(nan_rows, 0) << "the case has no K block past its data";
+    upload(d_b, b_nan);
+    WeightGradRuns skipped_nan;
+    ASSERT_NO_FATAL_FAILURE(
+        run_weight_grad_modes(grouped_rows(problem, d_off.ptr, d_data_rows.ptr, 0, max_ctas), d_a.ptr + m,
+                              a_ld, m, d_b.ptr, b_ld, n, prefill, skipped_nan));
+    EXPECT_TRUE(same_bits(runs, skipped_nan)) << "a K block past the data was read";
   }
   const std::vector<float>& store32 = runs.store32;
   const std::vector<float>& accumulated = runs.accumulated;
@@ -657,10 +693,11 @@ TEST(GroupedWeightGrad, FiveCtasLoopOverSixteenTiles) {
 }
 
 // Data rows (GroupedRows::group_rows): 40 of 128 rows and 320 of 384 leave a tile's upper 64 rows without
-// data (its second consumer warpgroup skips), 200 of 256 does not; n = 1088 ends in a 64-column tile.
+// data (its second consumer warpgroup skips), 200 of 256 does not; n = 1088 ends in a 64-column tile; 3 CTAs
+// loop over the 30 tiles, so a warpgroup that skipped runs into its next tile ahead of the other.
 TEST(GroupedGemm, PaddingRowsSkippedNarrowEdgeTile) {
   SKIP_WITHOUT_GPU();
-  run_grouped_gemm(Problem{{256, 128, 0, 384}, 896, 1088, 256, 1, {200, 40, 0, 320}});
+  run_grouped_gemm(Problem{{256, 128, 0, 384}, 896, 1088, 256, 1, {200, 40, 0, 320}}, 3);
 }
 
 TEST(GroupedGateUp, GptOssDataRowsComputedWhole) {
@@ -681,10 +718,11 @@ TEST(GroupedGemmTransposed, PaddingRowsSkippedSliceOfGroups) {
   run_gemm_transposed(Problem{{128, 256, 0, 128}, 640, 320, 384, 1, {1, 190, 0, 65}}, 192, 1, 2);
 }
 
-// K blocks past the data skipped: 130 of 256 rows (3 of 4 K blocks), 60 of 128, 300 of 384, an empty group.
+// K blocks past the data skipped: 130 of 256 rows (3 of 4 K blocks), 60 of 128, 300 of 384, an empty group;
+// the sums must stay bitwise the same with NaN in the skipped K blocks of B.
 TEST(GroupedWeightGrad, PaddingRowsSkippedBitwise) {
   SKIP_WITHOUT_GPU();
-  run_weight_grad({256, 128, 0, 384}, 1024, 192, 320, 0, {130, 60, 0, 300});
+  run_weight_grad({256, 128, 0, 384}, 1024, 192, 320, 5, {130, 60, 0, 300});  // 5 CTAs, 16 tiles
 }
 
 TEST(GroupedWeightGrad, ZeroCapacityStillOwesZeros) {

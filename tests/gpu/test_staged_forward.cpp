@@ -62,6 +62,7 @@ struct RankResult {
   std::vector<uint16_t> y_slots;      // [T, k, H], second run
   std::vector<int32_t> schedule;      // [rows][4]
   std::vector<int32_t> group_offset;  // [El + 1]
+  std::vector<int32_t> group_rows;    // [El]
   std::string error;                  // check_device_errors / exception text ("" = none)
 };
 
@@ -162,6 +163,8 @@ void run_rank(const Model& m, const std::vector<std::vector<RankData>>& data, co
     const int64_t El = s.num_local_experts();
     res.group_offset.resize(El + 1);
     CUDA_OK(cudaMemcpy(res.group_offset.data(), ctx.group_row_offset, (El + 1) * 4, cudaMemcpyDeviceToHost));
+    res.group_rows.resize(El);
+    CUDA_OK(cudaMemcpy(res.group_rows.data(), ctx.group_rows, El * 4, cudaMemcpyDeviceToHost));
     const int64_t rows = std::min<int64_t>(res.group_offset[El], ctx.rows_capacity);
     res.schedule.resize(rows * 4);
     if (rows > 0) CUDA_OK(cudaMemcpy(res.schedule.data(), ctx.schedule, rows * 16, cudaMemcpyDeviceToHost));
@@ -207,6 +210,9 @@ void check_call(const Model& m, const Call& call, const std::vector<RankData>& d
     const pounce::reference::RankSchedule& ref = expected.schedules[r];
     for (int64_t e = 0; e <= El; ++e) {
       ASSERT_EQ(res.group_offset[e], ref.expert_row_offset[e]) << where << ": group_row_offset[" << e << "]";
+    }
+    for (int64_t e = 0; e < El; ++e) {  // what the GEMMs skip padding by (GroupedRows::group_rows)
+      ASSERT_EQ(res.group_rows[e], ref.expert_num_rows[e]) << where << ": group_rows[" << e << "]";
     }
     ASSERT_EQ(static_cast<int64_t>(res.schedule.size()) / 4, static_cast<int64_t>(ref.rows.size())) << where;
     for (size_t row = 0; row < ref.rows.size(); ++row) {
