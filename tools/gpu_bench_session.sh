@@ -28,7 +28,7 @@ bench bench_ep2 240 --tokens 8192 --impl fused fused-all
   --pass forward
 for log in "$out"/bench_*.log; do
   echo "== $(basename "$log")"
-  grep -E "^(impl|fused|staged|baseline) " "$log"
+  grep -E "^(impl|fused|fused-all|staged|baseline) " "$log"
 done
 printf '%s\n' "${summary[@]}"  # last: the tool shows the tail of the output
 exit 0
