@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# GPU machine, repo root, build folder carried: the closing call of a session. The whole gpu suite, then the
-# benchmark against the same-run PyTorch baseline (EP2, 8192 tokens per rank, forward and forward+backward,
-# both backward paths: JSON + PNG to $OUT), then, while the call's time allows (DEADLINE_S, 540 unless set),
-# the forward at 16384 tokens per rank and on one GPU. A short table last.
+# GPU machine, repo root, build folder carried: the closing call of a session. The whole gpu suite (its 4- and
+# 8-rank cases run where that many GPUs are visible), then the benchmark on every visible GPU against the
+# same-run PyTorch baseline (EP = the GPU count, 8192 tokens per rank, forward and forward+backward, both
+# backward paths: JSON + PNG to $OUT, named bench_ep<N>), then, while the call's time allows (DEADLINE_S, 540
+# unless set; BENCH_TIMEOUT_S bounds the first benchmark, 240 s), the forward at 16384 tokens per rank and on
+# one GPU. A short table last. On nvidia-h200-x4 /
+# -x8 this is issue #7's call as it stands.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tools/gpu_env.sh
@@ -10,7 +13,8 @@ out="${OUT:-/tmp/pounce_out}"
 mkdir -p "$out"
 start=$(date +%s)
 left() { echo $(( ${DEADLINE_S:-540} - ($(date +%s) - start) )); }
-summary=()
+ranks=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+summary=("GPUs: $ranks")
 presets="${BENCH_PRESETS:-qwen3-30b-a3b gpt-oss-120b deepseek-v3}"
 timeout 260 ./build/tests/pounce_gpu_tests >"$out/gpu_suite.log" 2>&1
 summary+=("gpu suite: rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/gpu_suite.log" | tr '\n' ' ')")
@@ -22,8 +26,8 @@ bench() {  # name, timeout, extra arguments
     >"$out/$name.log" 2>&1
   summary+=("$name: rc=$?")
 }
-bench bench_ep2 240 --tokens 8192 --impl fused fused-all
-[ "$(left)" -gt 100 ] && bench bench_ep2_16384_forward 95 --tokens 16384 --impl fused --pass forward
+bench "bench_ep$ranks" "${BENCH_TIMEOUT_S:-240}" --tokens 8192 --impl fused fused-all
+[ "$(left)" -gt 100 ] && bench "bench_ep${ranks}_16384_forward" 95 --tokens 16384 --impl fused --pass forward
 [ "$(left)" -gt 70 ] && CUDA_VISIBLE_DEVICES=0 bench bench_ep1_forward 65 --ranks 1 --tokens 8192 --impl fused \
   --pass forward
 for log in "$out"/bench_*.log; do
