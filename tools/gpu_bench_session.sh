@@ -4,8 +4,7 @@
 # same-run PyTorch baseline (EP = the GPU count, 8192 tokens per rank, forward and forward+backward, both
 # backward paths: JSON + PNG to $OUT, named bench_ep<N>), then, while the call's time allows (DEADLINE_S, 540
 # unless set; BENCH_TIMEOUT_S bounds the first benchmark, 240 s), the forward at 16384 tokens per rank and on
-# one GPU. A short table last. On nvidia-h200-x4 /
-# -x8 this is issue #7's call as it stands.
+# one GPU. A short table last. On nvidia-h200-x4 / -x8 this is issue #7's call as it stands.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tools/gpu_env.sh
