@@ -34,6 +34,8 @@ constexpr int kIters = 10;
 // Which entry point: forward store / gate-up; backward activation (d_a GEMM + act'), transposed-weight
 // d_x GEMM (K split over gate and up), weight gradient (n x k output per group, reduction over its rows).
 enum class Kind { kStore, kGateUp, kActivationBackward, kTransposed, kWeightGrad };
+constexpr int kVariants = 2;
+constexpr const char* kWeightGradLabels[kVariants] = {" pingpong", " cooperative"};
 
 struct Case {
   const char* name;
@@ -144,7 +146,10 @@ void run_case(const Case& c) {
   pounce::kernels::GroupedRows named = plain;
   named.group_rows = d_data_rows;
   const pounce::kernels::ActivationParams act{pounce::kernels::kActivationSwiGLU, 7.0f, 1.0f};
-  auto launch = [&](const pounce::kernels::GroupedRows& grouped) {
+  // Weight gradients: variant 0 the ping-pong tiles (the layer's), variant 1 the cooperative ones, both over
+  // the named rows when the case has data rows. Other kinds: variant 0 computes the padding, 1 names it.
+  const bool weight_grad = c.kind == Kind::kWeightGrad;
+  auto launch = [&](const pounce::kernels::GroupedRows& grouped, int variant) {
     switch (c.kind) {
       case Kind::kGateUp:
         pounce::kernels::grouped_gate_up(grouped, a, w0, w1, o0, o1, o2, c.n, c.k, act, nullptr);
@@ -161,23 +166,26 @@ void run_case(const Case& c) {
         break;
       case Kind::kWeightGrad:  // d[g] [n, k] bf16 = A^T B over the group's rows; w0 is the output
         pounce::kernels::grouped_weight_grad(grouped, a, c.n, c.n, o1, c.k, c.k, w0,
-                                             pounce::kernels::WeightGradMode::kStoreBf16, nullptr);
+                                             pounce::kernels::WeightGradMode::kStoreBf16, nullptr,
+                                             variant == 0 ? pounce::kernels::WeightGradTiles::kPingPong
+                                                          : pounce::kernels::WeightGradTiles::kCooperative);
         break;
     }
   };
   cudaEvent_t start, stop;
   BENCH_CUDA(cudaEventCreate(&start));
   BENCH_CUDA(cudaEventCreate(&stop));
-  const int variants = c.data_rows.empty() ? 1 : 2;
-  const pounce::kernels::GroupedRows* launches[2] = {&plain, &named};
+  const int variants = weight_grad ? kVariants : c.data_rows.empty() ? 1 : 2;
+  const pounce::kernels::GroupedRows* launches[kVariants] = {weight_grad ? &named : &plain, &named};
   for (int i = 0; i < kWarmup; ++i) {
-    for (int v = 0; v < variants; ++v) launch(*launches[v]);
+    for (int v = 0; v < variants; ++v) launch(*launches[v], v);
   }
-  std::vector<float> ms[2] = {std::vector<float>(kIters), std::vector<float>(kIters)};
+  std::vector<float> ms[kVariants];
+  for (auto& m : ms) m.resize(kIters);
   for (int i = 0; i < kIters; ++i) {
     for (int v = 0; v < variants; ++v) {
       BENCH_CUDA(cudaEventRecord(start));
-      launch(*launches[v]);
+      launch(*launches[v], v);
       BENCH_CUDA(cudaEventRecord(stop));
       BENCH_CUDA(cudaEventSynchronize(stop));
       BENCH_CUDA(cudaEventElapsedTime(&ms[v][i], start, stop));
@@ -188,7 +196,8 @@ void run_case(const Case& c) {
   for (int v = 0; v < variants; ++v) {
     std::sort(ms[v].begin(), ms[v].end());
     const double median_ms = ms[v][kIters / 2];
-    const std::string name = std::string(c.name) + (v == 1 ? " named" : "");
+    const char* label = weight_grad ? kWeightGradLabels[v] : (v == 1 ? " named" : "");
+    const std::string name = std::string(c.name) + label;
     std::printf("| %-34s | %4d | %7lld | %5lld | %5lld | %8.3f | %6.1f | %s |\n", name.c_str(), num_groups,
                 static_cast<long long>(rows), static_cast<long long>(c.n), static_cast<long long>(c.k),
                 median_ms, flops / (median_ms * 1e-3) / 1e12, err == 0 ? "ok" : "WAIT-TIMEOUT");

@@ -5,6 +5,9 @@
 // on expert-grouped rows: routed, El groups of received rows; shared, one group of the rank's own rows.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+
 #include "kernels/gemm/grouped_gemm.h"
 #include "src/gpu/gpu_state.h"
 
@@ -17,7 +20,15 @@ struct MlpBackward {
   void *d_gu, *dx;                   // [rows][2I] (d_g then d_u), [rows][H]
   ExpertWeights weights;             // [groups, ., .] (the shared expert's 2-D weights as one group)
   const ExpertWeights* grads;
+  // The staged weight gradients' tiles, from the rows a group holds on average (the fused backward runs its
+  // own cooperative tiles).
+  kernels::WeightGradTiles weight_grad_tiles;
 };
+
+// The tokens of this backward call (x's rows).
+inline int64_t num_tokens_of(const BackwardArgs& args) {
+  return args.inputs.x.shape.empty() ? 0 : args.inputs.x.shape[0];
+}
 
 inline kernels::WeightGradMode weight_grad_mode(const TensorView& grad, bool accumulate) {
   if (accumulate) return kernels::WeightGradMode::kAccumulateF32;
@@ -47,7 +58,8 @@ inline MlpBackward shared_mlp_backward(const layout::WorkspacePointers& p, const
           p.shared_d_gu,
           p.shared_dx,
           as_one_expert(args.inputs.shared),
-          &args.d_shared};
+          &args.d_shared,
+          kernels::weight_grad_tiles_for(num_tokens_of(args))};
 }
 
 // The routed experts on the received rows of the forward context (dy pulled by the reverse-combine).
@@ -63,7 +75,10 @@ inline MlpBackward routed_mlp_backward(const layout::WorkspacePointers& p, const
           p.d_gu_rows,
           p.dx_rows,
           args.inputs.routed,
-          &args.d_routed};
+          &args.d_routed,
+          // balanced routing: every rank's tokens times k spread over all experts
+          kernels::weight_grad_tiles_for(num_tokens_of(args) * p.num_ranks * p.num_topk /
+                                         std::max<int64_t>(1, p.num_experts))};
 }
 
 }  // namespace pounce::gpu

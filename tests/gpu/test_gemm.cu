@@ -462,16 +462,22 @@ struct WeightGradRuns {
   std::vector<float> store32, accumulated;
   std::vector<uint16_t> store16;
 };
+bool same_bits(const WeightGradRuns& x, const WeightGradRuns& y) {
+  return std::memcmp(x.store32.data(), y.store32.data(), x.store32.size() * 4) == 0 &&
+         std::memcmp(x.store16.data(), y.store16.data(), x.store16.size() * 2) == 0 &&
+         std::memcmp(x.accumulated.data(), y.accumulated.data(), x.accumulated.size() * 4) == 0;
+}
 void run_weight_grad_modes(const GroupedRows& rows, const uint16_t* a, int64_t a_ld, int64_t m,
                            const uint16_t* b, int64_t b_ld, int64_t n, const std::vector<float>& prefill,
-                           WeightGradRuns& runs) {
+                           WeightGradRuns& runs,
+                           pounce::kernels::WeightGradTiles tiles = pounce::kernels::WeightGradTiles::kPingPong) {
   using pounce::kernels::WeightGradMode;
   DeviceBuffer<uint16_t> d16(prefill.size());
   DeviceBuffer<float> d32(prefill.size());
   ASSERT_TRUE(d16.ptr && d32.ptr);
   auto launch = [&](void* d, WeightGradMode mode) {
     return [&, d, mode] {
-      pounce::kernels::grouped_weight_grad(rows, a, a_ld, m, b, b_ld, n, d, mode, nullptr);
+      pounce::kernels::grouped_weight_grad(rows, a, a_ld, m, b, b_ld, n, d, mode, nullptr, tiles);
     };
   };
   ASSERT_NO_FATAL_FAILURE(
@@ -489,7 +495,8 @@ void run_weight_grad_modes(const GroupedRows& rows, const uint16_t* a, int64_t a
 // rounded. Accumulate into random fp32 values: exactly prefill + the fp32 result (one fp32 addition), so an
 // empty group leaves its prefill untouched.
 // With `data_rows`, A rows past each group's data are zero and the launch names them (group_rows): the
-// results must be bitwise those of a launch over every row.
+// results must be bitwise those of a launch over every row. Every case also runs the cooperative tiles (what
+// the fused backward computes): bitwise the same as the ping-pong tiles of the standalone launch.
 void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_rows, int64_t m, int64_t n,
                      int max_ctas = 0, const std::vector<int32_t>& data_rows = {}) {
   const Problem problem{rows_per_group, max_rows, n, m, 1, data_rows};
@@ -518,12 +525,15 @@ void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_row
   ASSERT_NO_FATAL_FAILURE(
       run_weight_grad_modes(grouped_rows(problem, d_off.ptr, d_data_rows.ptr, 0, max_ctas), d_a.ptr + m, a_ld,
                             m, d_b.ptr, b_ld, n, prefill, runs));
+  {
+    WeightGradRuns cooperative;
+    ASSERT_NO_FATAL_FAILURE(
+        run_weight_grad_modes(grouped_rows(problem, d_off.ptr, d_data_rows.ptr, 0, max_ctas), d_a.ptr + m,
+                              a_ld, m, d_b.ptr, b_ld, n, prefill, cooperative,
+                              pounce::kernels::WeightGradTiles::kCooperative));
+    EXPECT_TRUE(same_bits(runs, cooperative)) << "ping-pong and cooperative tiles summed differently";
+  }
   if (!data_rows.empty()) {
-    auto same_bits = [](const WeightGradRuns& x, const WeightGradRuns& y) {
-      return std::memcmp(x.store32.data(), y.store32.data(), x.store32.size() * 4) == 0 &&
-             std::memcmp(x.store16.data(), y.store16.data(), x.store16.size() * 2) == 0 &&
-             std::memcmp(x.accumulated.data(), y.accumulated.data(), x.accumulated.size() * 4) == 0;
-    };
     WeightGradRuns every_row;
     ASSERT_NO_FATAL_FAILURE(run_weight_grad_modes({max_rows, d_off.ptr, num_groups, max_ctas}, d_a.ptr + m,
                                                   a_ld, m, d_b.ptr, b_ld, n, prefill, every_row));
@@ -690,6 +700,14 @@ TEST(GroupedWeightGrad, ThreeModesEmptyGroupPartialTiles) {
 TEST(GroupedWeightGrad, FiveCtasLoopOverSixteenTiles) {
   SKIP_WITHOUT_GPU();
   run_weight_grad({256, 0, 128, 128}, 640, 192, 320, 5);
+}
+
+// One CTA: its two warpgroups alternate over all 24 ping-pong tiles (6 per group: whole, half-height and
+// 64-column edge tiles) with 1, 0, 6 and 3 K blocks holding data, so the shared stage ring wraps at every
+// offset.
+TEST(GroupedWeightGrad, OneCtaTakesTurnsOverUnevenTiles) {
+  SKIP_WITHOUT_GPU();
+  run_weight_grad({128, 0, 384, 256}, 1024, 192, 320, 1, {40, 0, 384, 130});
 }
 
 // Data rows (GroupedRows::group_rows): 40 of 128 rows and 320 of 384 leave a tile's upper 64 rows without
