@@ -159,6 +159,7 @@ TEST(CliBench, RecordsCarryEveryFieldOfDesignSection7) {
   EXPECT_EQ(record["precision"], "bf16");
   EXPECT_DOUBLE_EQ(record["median_ms"].get<double>(), 2.0);
   EXPECT_DOUBLE_EQ(record["min_ms"].get<double>(), 1.0);
+  EXPECT_EQ(record["times_ms"], json({3.0, 1.0, 2.0})) << "every timed run, in the order it ran";
   EXPECT_DOUBLE_EQ(record["tflops"].get<double>(), 3000.0);  // 6e12 flops in 2 ms
   EXPECT_DOUBLE_EQ(record["nvlink_gbps"].get<double>(), 500.0);
   EXPECT_TRUE(record["speedup_vs_baseline"].is_null());
