@@ -165,10 +165,10 @@ void run_case(const Case& c) {
         pounce::kernels::grouped_gemm_transposed(grouped, a, w0, w1, c.k / 2, o0, c.n, c.k, nullptr);
         break;
       case Kind::kWeightGrad:  // d[g] [n, k] bf16 = A^T B over the group's rows; w0 is the output
-        pounce::kernels::grouped_weight_grad(grouped, a, c.n, c.n, o1, c.k, c.k, w0,
-                                             pounce::kernels::WeightGradMode::kStoreBf16, nullptr,
-                                             variant == 0 ? pounce::kernels::WeightGradTiles::kPingPong
-                                                          : pounce::kernels::WeightGradTiles::kCooperative);
+        pounce::kernels::grouped_weight_grad(
+            grouped, a, c.n, c.n, o1, c.k, c.k, w0, pounce::kernels::WeightGradMode::kStoreBf16, nullptr,
+            variant == 0 ? pounce::kernels::WeightGradSchedule::kPingPong
+                         : pounce::kernels::WeightGradSchedule::kCooperative);
         break;
     }
   };

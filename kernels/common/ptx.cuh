@@ -234,10 +234,10 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t 
 }
 
 // The same for N = 128 into the first 64 accumulators of d (columns 0..127; the rest untouched).
-template <bool kMnMajorA = false, bool kMnMajorB = false, int N>
-__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[N], uint64_t desc_a, uint64_t desc_b,
+template <bool kMnMajorA = false, bool kMnMajorB = false, int kAccs>
+__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[kAccs], uint64_t desc_a, uint64_t desc_b,
                                                       bool accumulate) {
-  static_assert(N >= 64, "m64n128 writes 64 accumulators per thread");
+  static_assert(kAccs >= 64, "m64n128 writes 64 accumulators per thread");
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
@@ -264,10 +264,10 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[N], uint64_t de
 
 // The same for N = 64 into the first 32 accumulators of d (columns 0..63; the rest untouched), so one
 // accumulator array serves every width.
-template <bool kMnMajorA = false, bool kMnMajorB = false, int N>
-__device__ __forceinline__ void wgmma_m64n64k16_bf16(float (&d)[N], uint64_t desc_a, uint64_t desc_b,
+template <bool kMnMajorA = false, bool kMnMajorB = false, int kAccs>
+__device__ __forceinline__ void wgmma_m64n64k16_bf16(float (&d)[kAccs], uint64_t desc_a, uint64_t desc_b,
                                                      bool accumulate) {
-  static_assert(N >= 32, "m64n64 writes 32 accumulators per thread");
+  static_assert(kAccs >= 32, "m64n64 writes 32 accumulators per thread");
   asm volatile(
       "{\n"
       ".reg .pred p;\n"

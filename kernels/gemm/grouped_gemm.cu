@@ -57,10 +57,10 @@ const DeviceInfo& device_info() {
     int max_smem = 0;
     POUNCE_GEMM_CUDA_CHECK(
         cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    constexpr size_t kMostBytes =
-        std::max({shared_bytes_of<KernelKind::kForwardStore>(), shared_bytes_of<KernelKind::kForwardGateUp>(),
-                  shared_bytes_of<KernelKind::kDataGradActivation>(),
-                  shared_bytes_of<KernelKind::kWeightGrad>(), gemm::kSharedBytes, gemm::kPingPongSharedBytes});
+    constexpr size_t kMostBytes = std::max(
+        {shared_bytes_of<KernelKind::kForwardStore>(), shared_bytes_of<KernelKind::kForwardGateUp>(),
+         shared_bytes_of<KernelKind::kDataGradActivation>(), shared_bytes_of<KernelKind::kWeightGrad>(),
+         gemm::kSharedBytes, gemm::kPingPongSharedBytes});
     POUNCE_CHECK(static_cast<size_t>(max_smem) >= kMostBytes, "device ", device, " offers ", max_smem,
                  " bytes of shared memory per block, the grouped GEMM needs ", kMostBytes,
                  "; fix: run on a Hopper (sm_90a) GPU");
@@ -355,7 +355,7 @@ void grouped_gemm_transposed(const GroupedRows& rows, const void* a, const void*
 
 void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, int64_t m, const void* b,
                          int64_t b_ld, int64_t n, void* d, WeightGradMode mode, cudaStream_t stream,
-                         WeightGradTiles tiles) {
+                         WeightGradSchedule schedule) {
   const GemmOperands operands = weight_grad_operands(rows, a, a_ld, m, b, b_ld, n, d, mode);
   // Capacity zero still owes zero gradients to every group: write them without a GEMM.
   if (rows.max_rows == 0) {
@@ -364,23 +364,22 @@ void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, i
       POUNCE_GEMM_CUDA_CHECK(cudaMemsetAsync(d, 0, element * rows.num_groups * m * n, stream));
     return;
   }
-  if (tiles == WeightGradTiles::kCooperative) {
+  if (schedule == WeightGradSchedule::kCooperative) {
     const int64_t count = rows.num_groups * ((m + GemmConfig::BLOCK_M - 1) / GemmConfig::BLOCK_M) *
                           ((n + GemmConfig::BLOCK_N - 1) / GemmConfig::BLOCK_N);
     launch<KernelKind::kWeightGrad>(operands, count, rows.max_ctas, stream);
     return;
   }
-  POUNCE_CHECK(tiles == WeightGradTiles::kPingPong, "WeightGradTiles ", static_cast<int>(tiles), " unknown");
+  POUNCE_CHECK(schedule == WeightGradSchedule::kPingPong, "WeightGradSchedule ", static_cast<int>(schedule),
+               " unknown; fix: kPingPong or kCooperative");
   using gemm::PingPongConfig;
   const DeviceInfo& info = device_info();
   gemm::GroupedGemmArgs args = operands.args;
   args.error_flag = info.error_flag;
-  // Two tiles per CTA at a time (one per consumer warpgroup): a CTA for fewer than two tiles would leave a
-  // warpgroup idle, so the grid stops at half the tile count.
   const int64_t count = rows.num_groups * ((m + PingPongConfig::TILE_M - 1) / PingPongConfig::TILE_M) *
                         ((n + PingPongConfig::TILE_N - 1) / PingPongConfig::TILE_N);
   const int ctas = rows.max_ctas > 0 ? std::min(rows.max_ctas, info.num_sms) : info.num_sms;
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ctas, (count + 1) / 2)));
+  const int grid = static_cast<int>(std::min<int64_t>(ctas, count));
   gemm::weight_grad_pingpong_kernel<<<grid, GemmConfig::kNumThreads, gemm::kPingPongSharedBytes, stream>>>(
       operands.a, operands.b0, args);
   POUNCE_GEMM_CUDA_CHECK(cudaGetLastError());

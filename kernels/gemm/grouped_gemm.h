@@ -76,21 +76,23 @@ enum class WeightGradMode : int32_t { kStoreF32 = 0, kAccumulateF32 = 1, kStoreB
 // accumulation in ascending row order (deterministic), written as fp32, added into fp32, or rounded to
 // bf16. A rows are a_ld elements apart, B rows b_ld. A group without rows gets zeros (or nothing added).
 // m and n multiples of 64; rows.group_row_offset multiples of 128.
-// `tiles`: how the two consumer warpgroups share the work; the sums are the same bit for bit.
+// `schedule`: how the two consumer warpgroups share the work; the sums are the same bit for bit.
 //   kCooperative: both multiply halves of one 128 x 256 tile (as the fused backward does), then both store.
 //   kPingPong: each owns whole 128 x 128 tiles, every other one, so one stores while the other multiplies
 //     (weight_grad_pingpong.cuh); it loads a third more per FLOP.
-// Measured on H200 (bench/results/wgrad_pingpong_h200_2026-11-30.txt): with 512 rows per group (8 K blocks per
-// tile) ping-pong is 1-8 % faster; with 1024 it is 2-20 % slower, the stores no longer being the larger cost.
-enum class WeightGradTiles { kPingPong, kCooperative };
-// The faster tiles for groups of about `rows_per_group` rows each: ping-pong up to 768 (between the measured
-// 512 and 1024).
-inline WeightGradTiles weight_grad_tiles_for(int64_t rows_per_group) {
-  return rows_per_group <= 768 ? WeightGradTiles::kPingPong : WeightGradTiles::kCooperative;
+// Measured on H200 (bench/results/wgrad_pingpong_h200_2026-11-30.txt): with 512 rows per group (8 K blocks
+// per tile) ping-pong is 1-9 % faster on every shape; with 1024 it ranges from 3 % faster (qwen3) to 27 %
+// slower (deepseek's down projection), the stores no longer being the larger cost.
+enum class WeightGradSchedule { kPingPong, kCooperative };
+// The schedule for groups of about `rows_per_group` rows each: ping-pong up to 768, between the measured 512
+// (faster on every shape) and 1024 (slower on most, by more than it gains on the others). A proxy: the
+// crossover depends on the shape too.
+inline WeightGradSchedule weight_grad_schedule_for(int64_t rows_per_group) {
+  return rows_per_group <= 768 ? WeightGradSchedule::kPingPong : WeightGradSchedule::kCooperative;
 }
 void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, int64_t m, const void* b,
                          int64_t b_ld, int64_t n, void* d, WeightGradMode mode, cudaStream_t stream,
-                         WeightGradTiles tiles = WeightGradTiles::kCooperative);
+                         WeightGradSchedule schedule = WeightGradSchedule::kCooperative);
 
 // Diagnostics: the first bounded-wait timeout any grouped GEMM kernel recorded on the current device
 // (0 = none; 1 = consumer waited too long for a filled stage, 2 = producer waited too long for a free

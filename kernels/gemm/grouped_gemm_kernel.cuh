@@ -134,7 +134,7 @@ struct TileWalk {
 // in the fused kernels, which use all of them).
 template <int kStages>
 struct StageRing {
-  static_assert(kStages >= 2, "a ring of at least 2 stages");
+  static_assert(kStages >= 2, "a ring of at least 2 stages");  // its users check it fits their storage
   uint32_t stage = 0;
   uint32_t phase = 0;
   __device__ __forceinline__ void advance() {
@@ -204,6 +204,8 @@ template <GemmKind kKind>
 __device__ __forceinline__ void run_producer(SharedStorage& ss, const CUtensorMap& tmap_a,
                                              const CUtensorMap& tmap_b0, const CUtensorMap& tmap_b1,
                                              const GroupedGemmArgs& args) {
+  static_assert(epilogue_layout(kKind.epilogue).stages <= GemmConfig::kNumStages,
+                "the ring runs past SharedStorage::stages; fix: epilogue_layout");
   TileWalk<kKind> walk(args);
   StageRing<epilogue_layout(kKind.epilogue).stages> ring;
   Tile tile;
@@ -252,9 +254,9 @@ __device__ __forceinline__ float bf16_hi(uint32_t packed) {
 }
 
 // This lane's 8 consecutive columns of 32-column group m, row half h, as 4 packed bf16 pairs: the group's 4
-// accumulator chunks, packed, then quad-transposed. N accumulators per thread hold N * 2 columns.
-template <int N>
-__device__ __forceinline__ void transposed_group(const float (&acc)[N], int m, int h, int lane,
+// accumulator chunks, packed, then quad-transposed. kAccs accumulators per thread hold kAccs * 2 columns.
+template <int kAccs>
+__device__ __forceinline__ void transposed_group(const float (&acc)[kAccs], int m, int h, int lane,
                                                  uint32_t (&w)[4]) {
 #pragma unroll
   for (int c = 0; c < 4; ++c)
@@ -263,13 +265,14 @@ __device__ __forceinline__ void transposed_group(const float (&acc)[N], int m, i
 }
 
 // Stores this lane's two rows of a tile as bf16: `row_base[h]` points at column 0 of its row h (the second
-// is 8 below the first), null = not stored; columns [col_block, col_block + 2 N) below n. Every lane takes
-// part in the transposes, whatever it stores.
-template <int N>
-__device__ __forceinline__ void store_rows_bf16(const float (&acc)[N], __nv_bfloat16* const (&row_base)[2],
-                                                int32_t n, int32_t col_block, int lane) {
+// is 8 below the first), null = not stored; columns [col_block, col_block + 2 kAccs) below n. Every lane
+// takes part in the transposes, whatever it stores.
+template <int kAccs>
+__device__ __forceinline__ void store_rows_bf16(const float (&acc)[kAccs],
+                                                __nv_bfloat16* const (&row_base)[2], int32_t n,
+                                                int32_t col_block, int lane) {
 #pragma unroll
-  for (int m = 0; m < N / 16; ++m) {
+  for (int m = 0; m < kAccs / 16; ++m) {
     if (col_block + 32 * m >= n) break;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -282,8 +285,8 @@ __device__ __forceinline__ void store_rows_bf16(const float (&acc)[N], __nv_bflo
 
 // `row`: this lane's first row (the second is row + 8); `col_block`: first column of the tile; `row_limit`:
 // rows at or beyond it are not stored (weight gradients whose m is not a multiple of BLOCK_M).
-template <int N>
-__device__ __forceinline__ void store_tile_bf16(const float (&acc)[N], __nv_bfloat16* out, int64_t ld,
+template <int kAccs>
+__device__ __forceinline__ void store_tile_bf16(const float (&acc)[kAccs], __nv_bfloat16* out, int64_t ld,
                                                 int32_t n, int64_t row, int32_t col_block, int64_t row_limit,
                                                 int lane) {
   __nv_bfloat16* const row_base[2] = {row < row_limit ? out + row * ld : nullptr,
@@ -372,10 +375,10 @@ __device__ __forceinline__ void store_activation_backward_tile(const float (&acc
 }
 
 // Weight gradient of one expert: fp32 pairs straight from the accumulator layout, or bf16 through the
-// 16-byte path. Rows at or beyond m belong to no expert and are not stored. N accumulators per thread: the
-// tile's 2 N columns from col_block.
-template <int N>
-__device__ __forceinline__ void store_weight_grad_tile(const float (&acc)[N], const GroupedGemmArgs& args,
+// 16-byte path. Rows at or beyond m belong to no expert and are not stored. kAccs accumulators per thread:
+// the tile's 2 kAccs columns from col_block.
+template <int kAccs>
+__device__ __forceinline__ void store_weight_grad_tile(const float (&acc)[kAccs], const GroupedGemmArgs& args,
                                                        int32_t group, int64_t row, int32_t col_block,
                                                        int lane) {
   const int64_t matrix = static_cast<int64_t>(group) * args.m * args.n;
@@ -390,7 +393,7 @@ __device__ __forceinline__ void store_weight_grad_tile(const float (&acc)[N], co
   // one memory latency per batch (n % 64 == 0: a batch is inside or past n as a whole).
   constexpr int kWeightGradLoadBatch = 8;
 #pragma unroll
-  for (int j0 = 0; j0 < N / 4; j0 += kWeightGradLoadBatch) {
+  for (int j0 = 0; j0 < kAccs / 4; j0 += kWeightGradLoadBatch) {
     if (col_block + 8 * j0 >= args.n) break;
     float2 old[kWeightGradLoadBatch][2];
 #pragma unroll
@@ -663,6 +666,8 @@ template <GemmKind kKind>
 __device__ __forceinline__ void run_consumer(SharedStorage& ss, const GroupedGemmArgs& args,
                                              const OutputMaps& maps, int consumer_idx) {
   constexpr EpilogueLayout kLayout = epilogue_layout(kKind.epilogue);
+  static_assert(kLayout.stages <= GemmConfig::kNumStages,
+                "the ring runs past SharedStorage::stages; fix: epilogue_layout");
   TileWalk<kKind> walk(args);
   StageRing<kLayout.stages> ring;
   float acc[128];

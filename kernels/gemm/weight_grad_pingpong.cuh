@@ -1,15 +1,15 @@
 // Weight gradients with each consumer warpgroup on tiles of its own (sm_90a): the ping-pong tiles of
-// grouped_weight_grad (grouped_gemm.h, WeightGradTiles). Same sums as the cooperative kernel
+// grouped_weight_grad (grouped_gemm.h, WeightGradSchedule). Same sums as the cooperative kernel
 // (grouped_gemm_kernel.cuh, kWeightGrad), bit for bit: the same K steps in the same order per output. Each
 // warpgroup owns whole tiles of 128 x 128 outputs (two m64n128 wgmmas per K step, one per 64-row half), every
 // other tile of its CTA, so one warpgroup's epilogue runs while the other multiplies.
 //
-// Why: at EP2 an expert has about 512 rows, so a weight-gradient tile reduces over only 8 K blocks, and in the
-// cooperative kernel both warpgroups store at once with the tensor cores idle: 72 % tensor pipe utilisation on
-// deepseek-v3 at 1.77 GHz, against 85-92 % for the long-K GEMMs (Nsight Compute,
+// Why: at EP2 an expert has about 512 rows, so a weight-gradient tile reduces over only 8 K blocks, and in
+// the cooperative kernel both warpgroups store at once with the tensor cores idle: 72 % tensor pipe
+// utilisation on deepseek-v3 at 1.77 GHz, against 85-92 % for the long-K GEMMs (Nsight Compute,
 // bench/results/wgrad_pingpong_h200_2026-11-30.txt). The price: a 128 x 128 tile loads 32 KB per K block for
 // 2.1 MFLOP instead of 48 KB for 4.2, so with long reductions (1024 rows) the cooperative tiles stay faster
-// (grouped_gemm.h weight_grad_tiles_for).
+// (grouped_gemm.h weight_grad_schedule_for).
 //
 // Roles: warpgroup 0's first thread is the producer (TMA into a ring of kStages stages of 32 KB, filled in
 // the CTA's tile order); warpgroups 1 and 2 consume the tiles at even and odd positions of the CTA's sequence
@@ -37,6 +37,8 @@ struct PingPongConfig {
   static constexpr int kBoxes = 2;  // 64-wide MN-major boxes per operand and stage
   static_assert(TILE_M == kBoxes * GemmConfig::kBoxMN && TILE_N == kBoxes * GemmConfig::kBoxMN,
                 "a tile is whole 64-wide boxes of both operands");
+  static_assert(kStages <= 32, "a consumer keeps one parity bit per stage in 32 bits");
+  static_assert(GemmConfig::kNumConsumerWarpgroups == 2, "two consumers take every other tile");
 };
 using PingPongScheduler = ReductionTileScheduler<PingPongConfig::TILE_M, PingPongConfig::TILE_N>;
 
@@ -52,17 +54,20 @@ struct PingPongStorage {
   Stage stages[PingPongConfig::kStages];
 };
 inline constexpr size_t kPingPongSharedBytes = sizeof(PingPongStorage) + 1024;  // + slack to align the base
-static_assert(kPingPongSharedBytes <= 227 * 1024, "ping-pong stages exceed 227 KB per block; fix: fewer stages");
+static_assert(kPingPongSharedBytes <= 227 * 1024,
+              "ping-pong stages exceed 227 KB per block; fix: fewer stages");
 
-// The halves (64-row boxes of A) and the width of a tile below m and n: 2 or 1, 128 or 64 (m, n % 64 == 0).
+// The halves (64-row boxes of A) and the width of a tile below m and n: 2 or 1, TILE_N or 64 (m, n % 64 ==
+// 0).
 struct PingPongExtent {
   int32_t halves;
   int32_t columns;
 };
 __device__ __forceinline__ PingPongExtent pingpong_extent(const GroupedGemmArgs& args, const Tile& tile) {
-  const int32_t rows_left = args.m - tile.m_block * PingPongConfig::TILE_M;
-  const int32_t cols_left = args.n - tile.n_block * PingPongConfig::TILE_N;
-  return {rows_left >= 128 ? 2 : 1, cols_left >= 128 ? 128 : 64};
+  using P = PingPongConfig;
+  const int32_t rows_left = args.m - tile.m_block * P::TILE_M;
+  const int32_t cols_left = args.n - tile.n_block * P::TILE_N;
+  return {rows_left >= P::TILE_M ? P::kBoxes : 1, cols_left >= P::TILE_N ? P::TILE_N : GemmConfig::kBoxMN};
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -75,7 +80,7 @@ __device__ __forceinline__ void produce_weight_grads(PingPongStorage& ss, const 
   StageRing<PingPongConfig::kStages> ring;
   Tile tile;
   for (int32_t position = 0; scheduler.next(tile); ++position) {
-    const int owner = position % 2;
+    const int owner = position % GemmConfig::kNumConsumerWarpgroups;
     int32_t kb_begin = 0, kb_end = 0;
     reduction_k_blocks(args, tile.group, INT32_MAX, kb_begin, kb_end);
     const PingPongExtent extent = pingpong_extent(args, tile);
@@ -106,10 +111,10 @@ __device__ __forceinline__ void produce_weight_grads(PingPongStorage& ss, const 
 // ---------------------------------------------------------------------------------------------------
 // One half's wgmma of one K step: rows 64 half.. of the tile (A box `half`), kCols columns.
 template <int kCols>
-__device__ __forceinline__ void issue_pingpong_half(float (&acc)[64], uint32_t a_box, uint64_t b_desc,
-                                                    int kk, bool accumulate) {
-  const uint64_t a = ptx::make_smem_desc_mn_major_sw128(a_box + kk * 16 * 128, GemmConfig::kBoxBytes);
-  if constexpr (kCols == 128) {
+__device__ __forceinline__ void issue_pingpong_half(float (&acc)[64], uint32_t a_box, uint64_t b_desc, int kk,
+                                                    bool accumulate) {
+  const uint64_t a = smem_desc<Major::kMN>(a_box, kk);
+  if constexpr (kCols == PingPongConfig::TILE_N) {
     ptx::wgmma_m64n128k16_bf16<true, true>(acc, a, b_desc, accumulate);
   } else {
     ptx::wgmma_m64n64k16_bf16<true, true>(acc, a, b_desc, accumulate);
@@ -125,7 +130,7 @@ __device__ __forceinline__ void issue_pingpong_k_block(float (&acc0)[64], float 
 #pragma unroll
   for (int kk = 0; kk < C::BLOCK_K / 16; ++kk) {
     const bool acc_in = accumulate || kk > 0;
-    const uint64_t b = ptx::make_smem_desc_mn_major_sw128(b_base + kk * 16 * 128, C::kBoxBytes);
+    const uint64_t b = smem_desc<Major::kMN>(b_base, kk);
     issue_pingpong_half<kCols>(acc0, a_base, b, kk, acc_in);
     if constexpr (kHalves == 2) issue_pingpong_half<kCols>(acc1, a_base + C::kBoxBytes, b, kk, acc_in);
   }
@@ -178,15 +183,15 @@ __device__ __forceinline__ bool multiply_pingpong_tile(PingPongStorage& ss,
                                                        int consumer_idx, PingPongExtent extent,
                                                        int32_t kb_begin, int32_t kb_end, float (&acc0)[64],
                                                        float (&acc1)[64]) {
-  if (extent.halves == 2 && extent.columns == 128)
-    return multiply_pingpong_tile<2, 128>(ss, ring, full_phases, args, consumer_idx, kb_begin, kb_end, acc0,
-                                          acc1);
+  if (extent.halves == 2 && extent.columns == PingPongConfig::TILE_N)
+    return multiply_pingpong_tile<2, PingPongConfig::TILE_N>(ss, ring, full_phases, args, consumer_idx,
+                                                             kb_begin, kb_end, acc0, acc1);
   if (extent.halves == 2)
     return multiply_pingpong_tile<2, 64>(ss, ring, full_phases, args, consumer_idx, kb_begin, kb_end, acc0,
                                          acc1);
-  if (extent.columns == 128)
-    return multiply_pingpong_tile<1, 128>(ss, ring, full_phases, args, consumer_idx, kb_begin, kb_end, acc0,
-                                          acc1);
+  if (extent.columns == PingPongConfig::TILE_N)
+    return multiply_pingpong_tile<1, PingPongConfig::TILE_N>(ss, ring, full_phases, args, consumer_idx,
+                                                             kb_begin, kb_end, acc0, acc1);
   return multiply_pingpong_tile<1, 64>(ss, ring, full_phases, args, consumer_idx, kb_begin, kb_end, acc0,
                                        acc1);
 }
@@ -204,20 +209,21 @@ __device__ __forceinline__ void consume_weight_grads(PingPongStorage& ss, const 
   for (int32_t position = 0; scheduler.next(tile); ++position) {
     int32_t kb_begin = 0, kb_end = 0;
     reduction_k_blocks(args, tile.group, INT32_MAX, kb_begin, kb_end);
-    if (position % 2 != consumer_idx) {  // the other warpgroup's tile: its stages, not ours
+    if (position % GemmConfig::kNumConsumerWarpgroups != consumer_idx) {  // the other's tile and stages
       for (int32_t kb = kb_begin; kb < kb_end; ++kb) ring.advance();
       continue;
     }
     const PingPongExtent extent = pingpong_extent(args, tile);
-    const int64_t row0 = static_cast<int64_t>(tile.m_block) * PingPongConfig::TILE_M + warp_in_group * 16 +
-                         lane / 4;
+    const int64_t row0 =
+        static_cast<int64_t>(tile.m_block) * PingPongConfig::TILE_M + warp_in_group * 16 + lane / 4;
     const int32_t col_block = tile.n_block * PingPongConfig::TILE_N;
-    if (kb_end == kb_begin) {  // an expert without rows: zeros
+    if (kb_end <= kb_begin) {  // an expert without rows: zeros (as the cooperative kernel writes them)
       for (int32_t half = 0; half < extent.halves; ++half)
         store_weight_grad_zeros<PingPongConfig::TILE_N>(args, tile.group, row0 + 64 * half, col_block, lane);
       continue;
     }
-    if (!multiply_pingpong_tile(ss, ring, full_phases, args, consumer_idx, extent, kb_begin, kb_end, acc0, acc1))
+    if (!multiply_pingpong_tile(ss, ring, full_phases, args, consumer_idx, extent, kb_begin, kb_end, acc0,
+                                acc1))
       return;
     store_weight_grad_tile(acc0, args, tile.group, row0, col_block, lane);
     if (extent.halves == 2) store_weight_grad_tile(acc1, args, tile.group, row0 + 64, col_block, lane);

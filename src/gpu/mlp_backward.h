@@ -22,7 +22,7 @@ struct MlpBackward {
   const ExpertWeights* grads;
   // The staged weight gradients' tiles, from the rows a group holds on average (the fused backward runs its
   // own cooperative tiles).
-  kernels::WeightGradTiles weight_grad_tiles;
+  kernels::WeightGradSchedule weight_grad_schedule;
 };
 
 // The tokens of this backward call (x's rows).
@@ -59,7 +59,7 @@ inline MlpBackward shared_mlp_backward(const layout::WorkspacePointers& p, const
           p.shared_dx,
           as_one_expert(args.inputs.shared),
           &args.d_shared,
-          kernels::weight_grad_tiles_for(num_tokens_of(args))};
+          kernels::weight_grad_schedule_for(num_tokens_of(args))};
 }
 
 // The routed experts on the received rows of the forward context (dy pulled by the reverse-combine).
@@ -77,8 +77,8 @@ inline MlpBackward routed_mlp_backward(const layout::WorkspacePointers& p, const
           args.inputs.routed,
           &args.d_routed,
           // balanced routing: every rank's tokens times k spread over all experts
-          kernels::weight_grad_tiles_for(num_tokens_of(args) * p.num_ranks * p.num_topk /
-                                         std::max<int64_t>(1, p.num_experts))};
+          kernels::weight_grad_schedule_for(num_tokens_of(args) * p.num_ranks * p.num_topk /
+                                            std::max<int64_t>(1, p.num_experts))};
 }
 
 }  // namespace pounce::gpu

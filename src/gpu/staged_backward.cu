@@ -55,13 +55,13 @@ void launch_mlp_weight_grads(const MlpBackward& m, int64_t H, bool accumulate, i
   const int64_t I = m.intermediate;
   const void* d_u = static_cast<const char*>(m.d_gu) + I * 2;
   kernels::grouped_weight_grad(m.rows, m.dy, H, H, m.act, I, I, m.grads->down.data,
-                               weight_grad_mode(m.grads->down, accumulate), stream, m.weight_grad_tiles);
+                               weight_grad_mode(m.grads->down, accumulate), stream, m.weight_grad_schedule);
   kernels::GroupedRows later = m.rows;
   later.max_ctas = later_ctas;
   kernels::grouped_weight_grad(later, m.d_gu, 2 * I, I, m.x, H, H, m.grads->gate.data,
-                               weight_grad_mode(m.grads->gate, accumulate), stream, m.weight_grad_tiles);
+                               weight_grad_mode(m.grads->gate, accumulate), stream, m.weight_grad_schedule);
   kernels::grouped_weight_grad(later, d_u, 2 * I, I, m.x, H, H, m.grads->up.data,
-                               weight_grad_mode(m.grads->up, accumulate), stream, m.weight_grad_tiles);
+                               weight_grad_mode(m.grads->up, accumulate), stream, m.weight_grad_schedule);
 }
 
 }  // namespace
@@ -71,7 +71,7 @@ BackwardLaunch launch_backward_prologue(GpuWorkspace& workspace, const BackwardA
   const layout::WorkspacePointers p = workspace.pointers();
   const ForwardArgs& in = args.inputs;
   BackwardLaunch launch;
-  launch.num_tokens = in.x.shape.empty() ? 0 : in.x.shape[0];
+  launch.num_tokens = num_tokens_of(args);
   const int64_t num_tokens = launch.num_tokens;
   POUNCE_CHECK(num_tokens >= 0 && num_tokens <= p.max_tokens, "x has ", num_tokens,
                " tokens but the workspace was created for max_tokens = ", p.max_tokens);

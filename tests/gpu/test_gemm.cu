@@ -467,10 +467,10 @@ bool same_bits(const WeightGradRuns& x, const WeightGradRuns& y) {
          std::memcmp(x.store16.data(), y.store16.data(), x.store16.size() * 2) == 0 &&
          std::memcmp(x.accumulated.data(), y.accumulated.data(), x.accumulated.size() * 4) == 0;
 }
-void run_weight_grad_modes(const GroupedRows& rows, const uint16_t* a, int64_t a_ld, int64_t m,
-                           const uint16_t* b, int64_t b_ld, int64_t n, const std::vector<float>& prefill,
-                           WeightGradRuns& runs,
-                           pounce::kernels::WeightGradTiles tiles = pounce::kernels::WeightGradTiles::kPingPong) {
+void run_weight_grad_modes(
+    const GroupedRows& rows, const uint16_t* a, int64_t a_ld, int64_t m, const uint16_t* b, int64_t b_ld,
+    int64_t n, const std::vector<float>& prefill, WeightGradRuns& runs,
+    pounce::kernels::WeightGradSchedule tiles = pounce::kernels::WeightGradSchedule::kPingPong) {
   using pounce::kernels::WeightGradMode;
   DeviceBuffer<uint16_t> d16(prefill.size());
   DeviceBuffer<float> d32(prefill.size());
@@ -527,18 +527,22 @@ void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_row
                             m, d_b.ptr, b_ld, n, prefill, runs));
   {
     WeightGradRuns cooperative;
-    ASSERT_NO_FATAL_FAILURE(
-        run_weight_grad_modes(grouped_rows(problem, d_off.ptr, d_data_rows.ptr, 0, max_ctas), d_a.ptr + m,
-                              a_ld, m, d_b.ptr, b_ld, n, prefill, cooperative,
-                              pounce::kernels::WeightGradTiles::kCooperative));
+    ASSERT_NO_FATAL_FAILURE(run_weight_grad_modes(
+        grouped_rows(problem, d_off.ptr, d_data_rows.ptr, 0, max_ctas), d_a.ptr + m, a_ld, m, d_b.ptr, b_ld,
+        n, prefill, cooperative, pounce::kernels::WeightGradSchedule::kCooperative));
     EXPECT_TRUE(same_bits(runs, cooperative)) << "ping-pong and cooperative tiles summed differently";
   }
   if (!data_rows.empty()) {
-    WeightGradRuns every_row;
-    ASSERT_NO_FATAL_FAILURE(run_weight_grad_modes({max_rows, d_off.ptr, num_groups, max_ctas}, d_a.ptr + m,
-                                                  a_ld, m, d_b.ptr, b_ld, n, prefill, every_row));
-    EXPECT_TRUE(same_bits(runs, every_row))
-        << "skipping the K blocks past the data changed a weight gradient";
+    using pounce::kernels::WeightGradSchedule;
+    const WeightGradSchedule schedules[] = {WeightGradSchedule::kPingPong, WeightGradSchedule::kCooperative};
+    for (const WeightGradSchedule schedule : schedules) {
+      const char* name = schedule == WeightGradSchedule::kPingPong ? "ping-pong" : "cooperative";
+      WeightGradRuns every_row;
+      ASSERT_NO_FATAL_FAILURE(run_weight_grad_modes({max_rows, d_off.ptr, num_groups, max_ctas}, d_a.ptr + m,
+                                                    a_ld, m, d_b.ptr, b_ld, n, prefill, every_row, schedule));
+      EXPECT_TRUE(same_bits(runs, every_row))
+          << name << ": skipping the K blocks past the data changed a weight gradient";
+    }
     // B rows of the K blocks wholly past the data set to NaN: the sums stay finite (bitwise the same) only if
     // those K blocks are skipped (zero A times NaN is NaN).
     auto b_nan = b;
@@ -550,11 +554,14 @@ void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_row
     }
     ASSERT_GT(nan_rows, 0) << "the case has no K block past its data";
     upload(d_b, b_nan);
-    WeightGradRuns skipped_nan;
-    ASSERT_NO_FATAL_FAILURE(
-        run_weight_grad_modes(grouped_rows(problem, d_off.ptr, d_data_rows.ptr, 0, max_ctas), d_a.ptr + m,
-                              a_ld, m, d_b.ptr, b_ld, n, prefill, skipped_nan));
-    EXPECT_TRUE(same_bits(runs, skipped_nan)) << "a K block past the data was read";
+    for (const WeightGradSchedule schedule : schedules) {
+      const char* name = schedule == WeightGradSchedule::kPingPong ? "ping-pong" : "cooperative";
+      WeightGradRuns skipped_nan;
+      ASSERT_NO_FATAL_FAILURE(
+          run_weight_grad_modes(grouped_rows(problem, d_off.ptr, d_data_rows.ptr, 0, max_ctas), d_a.ptr + m,
+                                a_ld, m, d_b.ptr, b_ld, n, prefill, skipped_nan, schedule));
+      EXPECT_TRUE(same_bits(runs, skipped_nan)) << name << ": a K block past the data was read";
+    }
   }
   const std::vector<float>& store32 = runs.store32;
   const std::vector<float>& accumulated = runs.accumulated;
@@ -703,11 +710,12 @@ TEST(GroupedWeightGrad, FiveCtasLoopOverSixteenTiles) {
 }
 
 // One CTA: its two warpgroups alternate over all 24 ping-pong tiles (6 per group: whole, half-height and
-// 64-column edge tiles) with 1, 0, 6 and 3 K blocks holding data, so the shared stage ring wraps at every
-// offset.
+// 64-column edge tiles) with 1, 0, 6 and 13 K blocks holding data. Tiles of 13 K blocks lap the 6-stage ring
+// inside one tile (a stage handed back before its wgmmas finished would be overwritten while read), and the
+// uneven counts start tiles at different stages.
 TEST(GroupedWeightGrad, OneCtaTakesTurnsOverUnevenTiles) {
   SKIP_WITHOUT_GPU();
-  run_weight_grad({128, 0, 384, 256}, 1024, 192, 320, 1, {40, 0, 384, 130});
+  run_weight_grad({128, 0, 384, 896}, 1536, 192, 320, 1, {40, 0, 384, 830});
 }
 
 // Data rows (GroupedRows::group_rows): 40 of 128 rows and 320 of 384 leave a tile's upper 64 rows without

@@ -246,7 +246,8 @@ json make_record(const RecordContext& context, const Measurement& m) {
       {"backend", to_string(m.backend)},
       {"min_ms", number_or_null(measured, min_ms)},
       {"max_ms", number_or_null(measured, max_ms)},
-      {"times_ms", measured ? json(m.times_ms) : json::array()},  // every timed run, in order (the slowest rank)
+      {"times_ms",
+       measured ? json(m.times_ms) : json::array()},  // every timed run, in order (the slowest rank)
       {"flops_per_rank", m.flops},
       {"nvlink_gbps", number_or_null(measured && median_ms > 0 && s.num_ranks > 1,
                                      median_ms > 0 ? m.crossing_bytes / (median_ms * 1e-3) / 1e9 : 0.0)},
