@@ -12,6 +12,7 @@
 #include "tools/cli/bench.h"
 #include "tools/cli/inputs.h"
 #include "tools/cli/runner.h"
+#include "tools/cli/telemetry.h"
 
 namespace pounce::cli {
 namespace {
@@ -369,6 +370,36 @@ TEST(CliBench, MeasuresEveryPassOnTheCpuBackend) {
   ASSERT_EQ(fast.size(), 1u);
   EXPECT_TRUE(fast[0].run_failed);
   EXPECT_NE(fast[0].error.find("--impl fast"), std::string::npos);
+}
+
+// Telemetry: means of clock and power, the highest temperature; null fields without readings.
+TEST(CliBench, TelemetrySummaryAndRecordFields) {
+  const TelemetrySummary summary =
+      summarize({{1500.0, 600.0, 60.0}, {1700.0, 700.0, 75.0}, {1600.0, 650.0, 70.0}});
+  EXPECT_EQ(summary.samples, 3);
+  EXPECT_DOUBLE_EQ(summary.sm_clock_mhz, 1600.0);
+  EXPECT_DOUBLE_EQ(summary.power_w, 650.0);
+  EXPECT_DOUBLE_EQ(summary.temperature_c, 75.0);
+  json record = json::object();
+  add_telemetry(record, summary);
+  EXPECT_DOUBLE_EQ(record["sm_clock_mhz"].get<double>(), 1600.0);
+  EXPECT_DOUBLE_EQ(record["power_w"].get<double>(), 650.0);
+  EXPECT_DOUBLE_EQ(record["temperature_c"].get<double>(), 75.0);
+  EXPECT_EQ(record["telemetry_samples"], 3);
+
+  json empty = json::object();
+  add_telemetry(empty, summarize({}));
+  EXPECT_TRUE(empty["sm_clock_mhz"].is_null() && empty["power_w"].is_null() &&
+              empty["temperature_c"].is_null());
+  EXPECT_EQ(empty["telemetry_samples"], 0);
+}
+
+// No GPU to sample: nothing sampled, and stopping twice (stop(), then the destructor) is harmless.
+TEST(CliBench, TelemetryWithoutGpusSamplesNothing) {
+  GpuTelemetry telemetry(0, std::chrono::milliseconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(telemetry.stop().samples, 0);
+  EXPECT_EQ(telemetry.stop().samples, 0);
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include "tools/cli/progress.h"
 #include "tools/cli/report.h"
 #include "tools/cli/run_setup.h"
+#include "tools/cli/telemetry.h"
 
 #ifdef POUNCE_HAS_CUDA
 #include <cuda_runtime.h>
@@ -118,16 +119,17 @@ std::string number(const json& record, const char* key, const char* pattern) {
 void print_table(std::ostream& out, const json& records) {
   int preset_width = 14;
   for (const json& r : records) preset_width = std::max<int>(preset_width, r.value("preset", "").size());
-  out << format("%-9s %-17s %-*s %5s %6s %5s %10s %9s %8s\n", "impl", "pass", preset_width, "preset", "ranks",
-                "T/rank", "sets", "median ms", "TFLOP/s", "speedup");
+  out << format("%-9s %-17s %-*s %5s %6s %5s %10s %9s %8s %6s %5s\n", "impl", "pass", preset_width, "preset",
+                "ranks", "T/rank", "sets", "median ms", "TFLOP/s", "speedup", "SM MHz", "W/GPU");
   std::map<std::string, int> errors;  // error -> records it stopped
   for (const json& r : records) {
-    out << format("%-9s %-17s %-*s %5lld %6lld %5s %10s %9s %8s\n", r.value("impl", "").c_str(),
+    out << format("%-9s %-17s %-*s %5lld %6lld %5s %10s %9s %8s %6s %5s\n", r.value("impl", "").c_str(),
                   r.value("pass", "").c_str(), preset_width, r.value("preset", "").c_str(),
                   static_cast<long long>(r.value("ranks", int64_t{0})),
                   static_cast<long long>(r.value("tokens_per_rank", int64_t{0})),
                   number(r, "input_sets", "%.0f").c_str(), number(r, "median_ms", "%.3f").c_str(),
-                  number(r, "tflops", "%.1f").c_str(), number(r, "speedup_vs_baseline", "%.2fx").c_str());
+                  number(r, "tflops", "%.1f").c_str(), number(r, "speedup_vs_baseline", "%.2fx").c_str(),
+                  number(r, "sm_clock_mhz", "%.0f").c_str(), number(r, "power_w", "%.0f").c_str());
     if (r.contains("error")) ++errors[r["error"].get<std::string>()];
   }
   for (const auto& [error, count] : errors)
@@ -237,13 +239,16 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
       for (const std::string& impl : options.impls) {
         setup.impl = impl;
         progress.stage(what + ", " + impl + ": " + std::to_string(setup.input_sets) + " input sets");
+        GpuTelemetry telemetry(on_gpu ? R : 0);
         const std::vector<Measurement> measured = problem_error.empty()
                                                       ? measure(problem, setup, passes, &progress)
                                                       : failed_measurements(passes, setup, problem_error);
+        const TelemetrySummary ran_at = telemetry.stop();
         bool failed = false;
         for (const Measurement& m : measured) {
           failed |= m.run_failed;
           records.push_back(make_record(context, m));
+          add_telemetry(records.back(), ran_at);
         }
         failures += failed;
       }
@@ -277,7 +282,15 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
     run.passes = base_passes;
     run.warmup = options.warmup;
     run.iters = options.iters;
-    for (json& record : run_baseline(run)) records.push_back(record);
+    // One process measures every baseline configuration: its records share that whole run's telemetry.
+    GpuTelemetry telemetry(R);
+    json baseline = run_baseline(run);
+    const TelemetrySummary ran_at = telemetry.stop();
+    for (json& record : baseline) {
+      add_telemetry(record, ran_at);
+      record["telemetry_scope"] = "the whole baseline run";
+      records.push_back(record);
+    }
   }
   apply_speedups(records);
 
