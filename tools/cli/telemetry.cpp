@@ -71,15 +71,21 @@ NvmlDevice device_handle(const Nvml& n, int device) {
 
 TelemetrySummary summarize(const std::vector<TelemetrySample>& samples) {
   TelemetrySummary summary;
+  summary.samples = static_cast<int>(samples.size());
+  double peak_w = 0.0;
   for (const TelemetrySample& s : samples) {
-    summary.sm_clock_mhz += s.sm_clock_mhz;
-    summary.power_w += s.power_w;
+    peak_w = std::max(peak_w, s.power_w);
     summary.temperature_c = std::max(summary.temperature_c, s.temperature_c);
   }
-  summary.samples = static_cast<int>(samples.size());
-  if (summary.samples > 0) {
-    summary.sm_clock_mhz /= summary.samples;
-    summary.power_w /= summary.samples;
+  for (const TelemetrySample& s : samples) {
+    if (s.power_w < 0.5 * peak_w) continue;
+    summary.sm_clock_mhz += s.sm_clock_mhz;
+    summary.power_w += s.power_w;
+    ++summary.busy_samples;
+  }
+  if (summary.busy_samples > 0) {
+    summary.sm_clock_mhz /= summary.busy_samples;
+    summary.power_w /= summary.busy_samples;
   }
   return summary;
 }
@@ -90,7 +96,7 @@ void add_telemetry(nlohmann::json& record, const TelemetrySummary& summary) {
   record["sm_clock_mhz"] = value(summary.sm_clock_mhz);
   record["power_w"] = value(summary.power_w);
   record["temperature_c"] = value(summary.temperature_c);
-  record["telemetry_samples"] = summary.samples;
+  record["telemetry_samples"] = {{"busy", summary.busy_samples}, {"all", summary.samples}};
 }
 
 GpuTelemetry::GpuTelemetry(int num_gpus, std::chrono::milliseconds period) {

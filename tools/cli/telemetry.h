@@ -21,18 +21,21 @@ struct TelemetrySample {
   double temperature_c = 0.0;
 };
 
+// The window holds setup and idle gaps as well as the timed runs, so clock and power are averaged over the
+// busy readings only: those at no less than half the window's highest power.
 struct TelemetrySummary {
   int samples = 0;             // readings taken (all GPUs); 0 = nothing sampled
-  double sm_clock_mhz = 0.0;   // mean over the readings
-  double power_w = 0.0;        // mean over the readings: per GPU
+  int busy_samples = 0;        // readings at >= half the highest power
+  double sm_clock_mhz = 0.0;   // mean over the busy readings
+  double power_w = 0.0;        // mean over the busy readings: per GPU
   double temperature_c = 0.0;  // the highest reading
 };
 
-// Means and maximum of `samples`; all zero for none.
+// The summary of `samples`; all zero for none.
 TelemetrySummary summarize(const std::vector<TelemetrySample>& samples);
 
 // Adds sm_clock_mhz, power_w and temperature_c to a bench record (null without samples), and
-// telemetry_samples.
+// telemetry_samples (busy, of all).
 void add_telemetry(nlohmann::json& record, const TelemetrySummary& summary);
 
 // Samples the first `num_gpus` CUDA devices every `period` on a thread of its own, from construction until
