@@ -282,9 +282,13 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
     run.passes = base_passes;
     run.warmup = options.warmup;
     run.iters = options.iters;
-    // One process measures every baseline configuration: its records share that whole run's telemetry.
+    // One process measures every baseline configuration, its setup included: its records share that whole
+    // run's telemetry.
     GpuTelemetry telemetry(R);
-    json baseline = run_baseline(run);
+    json baseline = [&] {
+      const TimedWork baseline_process(true);
+      return run_baseline(run);
+    }();
     const TelemetrySummary ran_at = telemetry.stop();
     for (json& record : baseline) {
       add_telemetry(record, ran_at);

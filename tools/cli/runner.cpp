@@ -12,6 +12,7 @@
 #include "pounce/layer.h"
 #include "pounce/workspace.h"
 #include "reference/bf16.h"
+#include "tools/cli/telemetry.h"
 
 namespace pounce::cli {
 
@@ -83,11 +84,16 @@ RankResult drive_rank(RankRunner& runner, const RunRequest& request, int rank, s
       request.progress->stage("forward" + std::string(backward ? " + backward" : "") + ", run " +
                               std::to_string(run + 1) + " of " + std::to_string(total));
     meet();
-    const double forward_ms = runner.forward();
+    const bool timed = run >= request.warmup;
+    const double forward_ms = [&] {
+      const TimedWork on_gpu(timed);
+      return runner.forward();
+    }();
     double backward_ms = 0.0;
     if (backward) {
       meet();
       try {
+        const TimedWork on_gpu(timed);
         backward_ms = runner.backward();
         result.backward_ran = true;
       } catch (const Error& error) {

@@ -23,11 +23,36 @@ using NvmlPowerUsage = int (*)(NvmlDevice, unsigned int*);
 using NvmlTemperature = int (*)(NvmlDevice, int, unsigned int*);
 constexpr int kNvmlClockSm = 1;         // NVML_CLOCK_SM
 constexpr int kNvmlTemperatureGpu = 0;  // NVML_TEMPERATURE_GPU
+// nvmlFieldValue_t, for NVML_FI_DEV_POWER_INSTANT: nvmlDeviceGetPowerUsage averages over a second on this
+// generation, longer than a timed run.
+struct NvmlFieldValue {
+  unsigned int field_id;
+  unsigned int scope_id;
+  long long timestamp;
+  long long latency_us;
+  int value_type;
+  int nvml_return;
+  union {
+    double d;
+    unsigned int ui;
+    unsigned long ul;
+    unsigned long long ull;
+    long long sll;
+    int si;
+  } value;
+};
+static_assert(sizeof(NvmlFieldValue) == 40, "nvmlFieldValue_t is 40 bytes");
+using NvmlFieldValues = int (*)(NvmlDevice, int, NvmlFieldValue*);
+constexpr unsigned int kNvmlFieldPowerInstant = 186;  // NVML_FI_DEV_POWER_INSTANT, milliwatts
+constexpr int kNvmlValueUnsignedInt = 1;              // NVML_VALUE_TYPE_UNSIGNED_INT
+
+std::atomic<int> g_timed_work{0};
 
 struct Nvml {
   NvmlClockInfo clock_info = nullptr;
   NvmlPowerUsage power_usage = nullptr;
   NvmlTemperature temperature = nullptr;
+  NvmlFieldValues field_values = nullptr;  // optional: instantaneous power
   NvmlHandleByPciBusId by_pci_bus_id = nullptr;
   NvmlHandleByIndex by_index = nullptr;
   bool ready = false;
@@ -43,6 +68,7 @@ const Nvml& nvml() {
     n.clock_info = reinterpret_cast<NvmlClockInfo>(dlsym(library, "nvmlDeviceGetClockInfo"));
     n.power_usage = reinterpret_cast<NvmlPowerUsage>(dlsym(library, "nvmlDeviceGetPowerUsage"));
     n.temperature = reinterpret_cast<NvmlTemperature>(dlsym(library, "nvmlDeviceGetTemperature"));
+    n.field_values = reinterpret_cast<NvmlFieldValues>(dlsym(library, "nvmlDeviceGetFieldValues"));
     n.by_pci_bus_id =
         reinterpret_cast<NvmlHandleByPciBusId>(dlsym(library, "nvmlDeviceGetHandleByPciBusId_v2"));
     n.by_index = reinterpret_cast<NvmlHandleByIndex>(dlsym(library, "nvmlDeviceGetHandleByIndex_v2"));
@@ -67,25 +93,44 @@ NvmlDevice device_handle(const Nvml& n, int device) {
   return nullptr;
 }
 
+// Board power in watts: the instantaneous field where the driver has it, else NVML's averaged reading.
+bool read_power_w(const Nvml& n, NvmlDevice device, double& watts) {
+  if (n.field_values != nullptr) {
+    NvmlFieldValue field{};
+    field.field_id = kNvmlFieldPowerInstant;
+    if (n.field_values(device, 1, &field) == 0 && field.nvml_return == 0 &&
+        field.value_type == kNvmlValueUnsignedInt) {
+      watts = field.value.ui / 1000.0;
+      return true;
+    }
+  }
+  unsigned int milliwatts = 0;
+  if (n.power_usage(device, &milliwatts) != 0) return false;
+  watts = milliwatts / 1000.0;
+  return true;
+}
+
 }  // namespace
+
+TimedWork::TimedWork(bool timed) : timed_(timed) {
+  if (timed_) g_timed_work.fetch_add(1, std::memory_order_relaxed);
+}
+
+TimedWork::~TimedWork() {
+  if (timed_) g_timed_work.fetch_sub(1, std::memory_order_relaxed);
+}
 
 TelemetrySummary summarize(const std::vector<TelemetrySample>& samples) {
   TelemetrySummary summary;
-  summary.samples = static_cast<int>(samples.size());
-  double peak_w = 0.0;
   for (const TelemetrySample& s : samples) {
-    peak_w = std::max(peak_w, s.power_w);
-    summary.temperature_c = std::max(summary.temperature_c, s.temperature_c);
-  }
-  for (const TelemetrySample& s : samples) {
-    if (s.power_w < 0.5 * peak_w) continue;
     summary.sm_clock_mhz += s.sm_clock_mhz;
     summary.power_w += s.power_w;
-    ++summary.busy_samples;
+    summary.temperature_c = std::max(summary.temperature_c, s.temperature_c);
   }
-  if (summary.busy_samples > 0) {
-    summary.sm_clock_mhz /= summary.busy_samples;
-    summary.power_w /= summary.busy_samples;
+  summary.samples = static_cast<int>(samples.size());
+  if (summary.samples > 0) {
+    summary.sm_clock_mhz /= summary.samples;
+    summary.power_w /= summary.samples;
   }
   return summary;
 }
@@ -96,10 +141,10 @@ void add_telemetry(nlohmann::json& record, const TelemetrySummary& summary) {
   record["sm_clock_mhz"] = value(summary.sm_clock_mhz);
   record["power_w"] = value(summary.power_w);
   record["temperature_c"] = value(summary.temperature_c);
-  record["telemetry_samples"] = {{"busy", summary.busy_samples}, {"all", summary.samples}};
+  record["telemetry_samples"] = summary.samples;
 }
 
-GpuTelemetry::GpuTelemetry(int num_gpus, std::chrono::milliseconds period) {
+GpuTelemetry::GpuTelemetry(int num_gpus, std::chrono::microseconds period) {
   const Nvml& n = nvml();
   if (!n.ready) return;
   for (int device = 0; device < num_gpus; ++device) {
@@ -119,16 +164,18 @@ TelemetrySummary GpuTelemetry::stop() {
   return summarize(samples_);
 }
 
-void GpuTelemetry::sample_until_stopped(std::chrono::milliseconds period) {
+void GpuTelemetry::sample_until_stopped(std::chrono::microseconds period) {
   const Nvml& n = nvml();
   while (!stopping_) {
     for (NvmlDevice device : devices_) {
-      unsigned int clock = 0, milliwatts = 0, celsius = 0;
-      if (n.clock_info(device, kNvmlClockSm, &clock) != 0 || n.power_usage(device, &milliwatts) != 0 ||
+      if (g_timed_work.load(std::memory_order_relaxed) == 0) break;
+      unsigned int clock = 0, celsius = 0;
+      double watts = 0.0;
+      if (n.clock_info(device, kNvmlClockSm, &clock) != 0 || !read_power_w(n, device, watts) ||
           n.temperature(device, kNvmlTemperatureGpu, &celsius) != 0)
         continue;
       std::lock_guard<std::mutex> lock(mutex_);
-      samples_.push_back({static_cast<double>(clock), milliwatts / 1000.0, static_cast<double>(celsius)});
+      samples_.push_back({static_cast<double>(clock), watts, static_cast<double>(celsius)});
     }
     std::this_thread::sleep_for(period);
   }

@@ -1,7 +1,9 @@
-// What the GPUs ran at while `pounce bench` measured: SM clock, board power and temperature, sampled through
-// NVML (the driver's libnvidia-ml.so.1, opened at run time, so the build needs no NVML and a machine without
-// it records nothing). The layer runs at the power limit (docs/design.md "Power"): a time means little
-// without the clock it was taken at, and the baseline runs at its own.
+// What the GPUs ran at while `pounce bench` timed them: SM clock, board power and temperature, sampled
+// through NVML (the driver's libnvidia-ml.so.1, opened at run time, so the build needs no NVML and a machine
+// without it records nothing). Readings are taken only while some rank's timed run is on its GPU
+// (TimedWork), so the setup and the checks between runs do not dilute them. The layer's GEMMs run at the
+// power limit (docs/design.md "Power"): a time means little without the clock it was taken at, and the
+// baseline runs at its own.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -21,28 +23,39 @@ struct TelemetrySample {
   double temperature_c = 0.0;
 };
 
-// The window holds setup and idle gaps as well as the timed runs, so clock and power are averaged over the
-// busy readings only: those at no less than half the window's highest power.
 struct TelemetrySummary {
-  int samples = 0;             // readings taken (all GPUs); 0 = nothing sampled
-  int busy_samples = 0;        // readings at >= half the highest power
-  double sm_clock_mhz = 0.0;   // mean over the busy readings
-  double power_w = 0.0;        // mean over the busy readings: per GPU
+  int samples = 0;             // readings taken during timed runs (all GPUs); 0 = none
+  double sm_clock_mhz = 0.0;   // mean over the readings
+  double power_w = 0.0;        // mean over the readings: per GPU
   double temperature_c = 0.0;  // the highest reading
 };
 
-// The summary of `samples`; all zero for none.
+// Means of clock and power, the highest temperature; all zero for no samples.
 TelemetrySummary summarize(const std::vector<TelemetrySample>& samples);
 
 // Adds sm_clock_mhz, power_w and temperature_c to a bench record (null without samples), and
-// telemetry_samples (busy, of all).
+// telemetry_samples.
 void add_telemetry(nlohmann::json& record, const TelemetrySummary& summary);
 
-// Samples the first `num_gpus` CUDA devices every `period` on a thread of its own, from construction until
-// stop() (or destruction). Without NVML or GPUs it samples nothing and stop() returns an empty summary.
+// Marks a timed run in flight on this thread's GPU for its lifetime (`timed` false: marks nothing). The
+// process-wide count gates GpuTelemetry's readings; a whole baseline process counts as one.
+class TimedWork {
+ public:
+  explicit TimedWork(bool timed);
+  ~TimedWork();
+  TimedWork(const TimedWork&) = delete;
+  TimedWork& operator=(const TimedWork&) = delete;
+
+ private:
+  bool timed_;
+};
+
+// Samples the first `num_gpus` CUDA devices every `period` on a thread of its own while some TimedWork is
+// alive, from construction until stop() (or destruction). Without NVML or GPUs it samples nothing and stop()
+// returns an empty summary.
 class GpuTelemetry {
  public:
-  explicit GpuTelemetry(int num_gpus, std::chrono::milliseconds period = std::chrono::milliseconds(20));
+  explicit GpuTelemetry(int num_gpus, std::chrono::microseconds period = std::chrono::microseconds(2000));
   ~GpuTelemetry();
   GpuTelemetry(const GpuTelemetry&) = delete;
   GpuTelemetry& operator=(const GpuTelemetry&) = delete;
@@ -50,7 +63,7 @@ class GpuTelemetry {
   TelemetrySummary stop();
 
  private:
-  void sample_until_stopped(std::chrono::milliseconds period);
+  void sample_until_stopped(std::chrono::microseconds period);
 
   std::vector<void*> devices_;  // NVML device handles
   std::vector<TelemetrySample> samples_;
