@@ -462,6 +462,9 @@ struct WeightGradRuns {
   std::vector<float> store32, accumulated;
   std::vector<uint16_t> store16;
 };
+const char* schedule_name(pounce::kernels::WeightGradSchedule schedule) {
+  return schedule == pounce::kernels::WeightGradSchedule::kPingPong ? "ping-pong" : "cooperative";
+}
 bool same_bits(const WeightGradRuns& x, const WeightGradRuns& y) {
   return std::memcmp(x.store32.data(), y.store32.data(), x.store32.size() * 4) == 0 &&
          std::memcmp(x.store16.data(), y.store16.data(), x.store16.size() * 2) == 0 &&
@@ -536,12 +539,11 @@ void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_row
     using pounce::kernels::WeightGradSchedule;
     const WeightGradSchedule schedules[] = {WeightGradSchedule::kPingPong, WeightGradSchedule::kCooperative};
     for (const WeightGradSchedule schedule : schedules) {
-      const char* name = schedule == WeightGradSchedule::kPingPong ? "ping-pong" : "cooperative";
       WeightGradRuns every_row;
       ASSERT_NO_FATAL_FAILURE(run_weight_grad_modes({max_rows, d_off.ptr, num_groups, max_ctas}, d_a.ptr + m,
                                                     a_ld, m, d_b.ptr, b_ld, n, prefill, every_row, schedule));
       EXPECT_TRUE(same_bits(runs, every_row))
-          << name << ": skipping the K blocks past the data changed a weight gradient";
+          << schedule_name(schedule) << ": skipping the K blocks past the data changed a weight gradient";
     }
     // B rows of the K blocks wholly past the data set to NaN: the sums stay finite (bitwise the same) only if
     // those K blocks are skipped (zero A times NaN is NaN).
@@ -555,12 +557,12 @@ void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_row
     ASSERT_GT(nan_rows, 0) << "the case has no K block past its data";
     upload(d_b, b_nan);
     for (const WeightGradSchedule schedule : schedules) {
-      const char* name = schedule == WeightGradSchedule::kPingPong ? "ping-pong" : "cooperative";
       WeightGradRuns skipped_nan;
       ASSERT_NO_FATAL_FAILURE(
           run_weight_grad_modes(grouped_rows(problem, d_off.ptr, d_data_rows.ptr, 0, max_ctas), d_a.ptr + m,
                                 a_ld, m, d_b.ptr, b_ld, n, prefill, skipped_nan, schedule));
-      EXPECT_TRUE(same_bits(runs, skipped_nan)) << name << ": a K block past the data was read";
+      EXPECT_TRUE(same_bits(runs, skipped_nan))
+          << schedule_name(schedule) << ": a K block past the data was read";
     }
   }
   const std::vector<float>& store32 = runs.store32;
