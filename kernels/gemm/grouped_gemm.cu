@@ -249,8 +249,8 @@ GemmOperands gate_up_operands(const GroupedRows& rows, const void* a, const void
   o.args.activation = activation;
   if (rows.max_rows == 0) return o;  // no rows to map: the launchers stop here
   o.a = activation_map(rows, a, k);
-  o.b0 = weight_map(w_gate, rows.num_groups, n, k, GemmConfig::BLOCK_N / 2);
-  o.b1 = weight_map(w_up, rows.num_groups, n, k, GemmConfig::BLOCK_N / 2);
+  o.b0 = weight_map(w_gate, rows.num_groups, n, k, GemmConfig::kGateUpBoxRows);
+  o.b1 = weight_map(w_up, rows.num_groups, n, k, GemmConfig::kGateUpBoxRows);
   return o;
 }
 

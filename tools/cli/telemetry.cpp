@@ -120,14 +120,17 @@ TimedWork::~TimedWork() {
   if (timed_) g_timed_work.fetch_sub(1, std::memory_order_relaxed);
 }
 
-TelemetrySummary summarize(const std::vector<TelemetrySample>& samples) {
+TelemetrySummary summarize(const std::vector<TelemetrySample>& samples, double busy_fraction) {
+  double highest_power = 0.0;
+  for (const TelemetrySample& s : samples) highest_power = std::max(highest_power, s.power_w);
   TelemetrySummary summary;
   for (const TelemetrySample& s : samples) {
+    if (s.power_w < busy_fraction * highest_power) continue;
     summary.sm_clock_mhz += s.sm_clock_mhz;
     summary.power_w += s.power_w;
     summary.temperature_c = std::max(summary.temperature_c, s.temperature_c);
+    ++summary.samples;
   }
-  summary.samples = static_cast<int>(samples.size());
   if (summary.samples > 0) {
     summary.sm_clock_mhz /= summary.samples;
     summary.power_w /= summary.samples;
@@ -157,11 +160,11 @@ GpuTelemetry::~GpuTelemetry() {
   stop();
 }
 
-TelemetrySummary GpuTelemetry::stop() {
+TelemetrySummary GpuTelemetry::stop(double busy_fraction) {
   stopping_ = true;
   if (thread_.joinable()) thread_.join();
   std::lock_guard<std::mutex> lock(mutex_);
-  return summarize(samples_);
+  return summarize(samples_, busy_fraction);
 }
 
 void GpuTelemetry::sample_until_stopped(std::chrono::microseconds period) {

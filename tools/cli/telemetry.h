@@ -30,8 +30,10 @@ struct TelemetrySummary {
   double temperature_c = 0.0;  // the highest reading
 };
 
-// Means of clock and power, the highest temperature; all zero for no samples.
-TelemetrySummary summarize(const std::vector<TelemetrySample>& samples);
+// Means of clock and power, the highest temperature; all zero for no samples. `busy_fraction` > 0 keeps only
+// the readings at no less than that fraction of the highest power (a window that also holds idle or setup
+// readings: the baseline's process).
+TelemetrySummary summarize(const std::vector<TelemetrySample>& samples, double busy_fraction = 0.0);
 
 // Adds sm_clock_mhz, power_w and temperature_c to a bench record (null without samples), and
 // telemetry_samples.
@@ -60,7 +62,7 @@ class GpuTelemetry {
   GpuTelemetry(const GpuTelemetry&) = delete;
   GpuTelemetry& operator=(const GpuTelemetry&) = delete;
 
-  TelemetrySummary stop();
+  TelemetrySummary stop(double busy_fraction = 0.0);  // summarize's busy_fraction
 
  private:
   void sample_until_stopped(std::chrono::microseconds period);
