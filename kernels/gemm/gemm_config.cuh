@@ -116,6 +116,8 @@ struct GroupedGemmArgs {
   const int32_t* group_active;  // kReduction: [num_groups], 0 = leave that group's output alone; null = all
   WeightGradMode weight_grad_mode;
   ActivationParams activation;
+  bool split_padding_tiles;  // gate/up, activation backward: split a tile whose rows 64..127 hold no data
+                             // (tile_part); the kernels that hand tiles out dynamically (fused_*.cuh) only
   int32_t* error_flag;  // first WaitError recorded by any CTA
 };
 

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdlib>
+#include <string>
 
 #include "kernels/common/tma.h"
 #include "kernels/gemm/gemm_operands.h"
@@ -201,6 +203,7 @@ gemm::GroupedGemmArgs base_args(const GroupedRows& rows, int64_t n, int64_t k) {
   args.k = static_cast<int32_t>(k);
   args.k_split = static_cast<int32_t>(k);
   args.out_ld = n;
+  args.split_padding_tiles = split_padding_tiles(/*dynamic_tiles=*/false);
   return args;
 }
 
@@ -383,6 +386,12 @@ void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, i
   gemm::weight_grad_pingpong_kernel<<<grid, GemmConfig::kNumThreads, gemm::kPingPongSharedBytes, stream>>>(
       operands.a, operands.b0, args);
   POUNCE_GEMM_CUDA_CHECK(cudaGetLastError());
+}
+
+bool split_padding_tiles(bool dynamic_tiles) {
+  const char* forced = std::getenv("POUNCE_SPLIT_TILES");
+  if (forced != nullptr && (std::string(forced) == "0" || std::string(forced) == "1")) return forced[0] == '1';
+  return dynamic_tiles;
 }
 
 int32_t grouped_gemm_error_code(bool reset) {

@@ -71,10 +71,10 @@ __device__ __forceinline__ TilePart tile_part(const GroupedGemmArgs& args, const
   if constexpr (kKind.grouping == Grouping::kReduction) {
     if (tile.m_block * GemmConfig::BLOCK_M + 64 * consumer_idx >= args.m) return {0, false};
   } else if constexpr (kEpilogue == Epilogue::kGateUpActivation) {
-    if (upper_half_padding) return {64 * consumer_idx < cols_left ? 128 : 0, true};
+    if (upper_half_padding && args.split_padding_tiles) return {64 * consumer_idx < cols_left ? 128 : 0, true};
     return {cols_left <= 64 ? 128 : 256, false};
   } else if constexpr (kEpilogue == Epilogue::kActivationBackward) {
-    if (upper_half_padding) {
+    if (upper_half_padding && args.split_padding_tiles) {
       const int32_t half_left = cols_left - 128 * consumer_idx;
       return {half_left <= 0 ? 0 : half_left <= 64 ? 64 : 128, true};
     }

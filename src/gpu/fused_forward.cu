@@ -52,6 +52,7 @@ kernels::gemm::GroupedGemmArgs gemm_args(int64_t n, int64_t k, void* out0, void*
   args.out2 = static_cast<__nv_bfloat16*>(out2);
   args.activation = activation;
   args.error_flag = error_flag;
+  args.split_padding_tiles = kernels::split_padding_tiles(/*dynamic_tiles=*/true);
   return args;
 }
 
