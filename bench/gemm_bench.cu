@@ -262,12 +262,6 @@ int main(int argc, char** argv) {
   cases.push_back(routed_case("gpt-oss-120b routed down", 64, 512, 2880, 2880, Kind::kStore));
   cases.push_back(routed_case("gpt-oss-120b routed bwd act", 64, 512, 2880, 2880, Kind::kActivationBackward));
   cases.push_back(routed_case("gpt-oss-120b routed wgrad", 64, 512, 2880, 2880, Kind::kWeightGrad));
-  // Every tile split (tile_part): 64 of each group's 128 rows hold data; "named" multiplies half of the
-  // plain variant's tensor work.
-  const std::vector<int32_t> half_rows(128, 64);
-  cases.push_back({"deepseek-v3 split gate_up", balanced(128, 128), 2048, 7168, Kind::kGateUp, half_rows});
-  cases.push_back({"deepseek-v3 split bwd act", balanced(128, 128), 2048, 7168, Kind::kActivationBackward,
-                   half_rows});
   cudaDeviceProp prop{};
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs; median of %d launches after %d warm-up\n", prop.name,

@@ -263,12 +263,12 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
                                              uint32_t*& done) {
   const FusedCounters counters = counters_of(p.ws);
   const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};
-  // Every kind's whole-K tile: consume_tile of this warpgroup's part (tile_part).
+  // Every kind's whole-K tile: consume_tile at the width mma_columns gives this warpgroup.
   auto consume = [&](auto kind_tag, const GroupedGemmArgs& args) {
     constexpr kernels::gemm::GemmKind kKind = decltype(kind_tag)::value;
     return kernels::gemm::consume_tile<kKind>(
         ss, ring, args, tile, 0, k_blocks(args), consumer_idx,
-        kernels::gemm::tile_part<kKind>(args, tile, consumer_idx, task.upper_half_padding), acc);
+        kernels::gemm::mma_columns<kKind>(args, tile, consumer_idx, task.upper_half_padding), acc);
   };
   switch (task.kind) {
     case BackwardTaskKind::kSharedActGrad:
@@ -279,21 +279,21 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
       return consume(GemmTag<kActGradGemm>{}, p.act_grad.args);
     case BackwardTaskKind::kSharedDataGrad:
       return consume(GemmTag<kDataGradGemm>{}, p.shared_data_grad.args);
-    case BackwardTaskKind::kDataGrad: {
-      const kernels::gemm::TilePart part = kernels::gemm::tile_part<kDataGradGemm>(
-          p.data_grad.args, tile, consumer_idx, task.upper_half_padding);
-      if (!kernels::gemm::multiply_tile<kDataGradGemm>(ss, ring, p.data_grad.args, 0, k_blocks(p.data_grad.args),
-                                                       consumer_idx, part, acc))
+    case BackwardTaskKind::kDataGrad:
+      if (!kernels::gemm::multiply_tile<kDataGradGemm>(
+              ss, ring, p.data_grad.args, 0, k_blocks(p.data_grad.args), consumer_idx,
+              kernels::gemm::mma_columns<kDataGradGemm>(p.data_grad.args, tile, consumer_idx,
+                                                        task.upper_half_padding),
+              acc))
         return false;
       if (p.push_combine) {
-        kernels::gemm::store_tile<kDataGradGemm>(acc, p.data_grad.args, tile, true, consumer_idx, part);
+        kernels::gemm::store_tile<kDataGradGemm>(acc, p.data_grad.args, tile, true, consumer_idx);
         done = counters.rows_done(task.unit);
       } else {
         store_tile_to_slots(acc, p.ws, p.ws.sym_dx_slots, p.data_grad.args.n, task.m_block, task.n_block,
                             consumer_idx);
       }
       return true;
-    }
     case BackwardTaskKind::kReplayGateUp:
       done = counters.replay_done(task.m_block);
       return consume(GemmTag<kReplayGemm>{}, p.replay_gate_up.args);
@@ -303,7 +303,7 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
       weight_grad_k_range(args, task.group, kb_begin, kb_end);
       return kernels::gemm::consume_tile<kWeightGradGemm>(
           ss, ring, args, tile, kb_begin, kb_end, consumer_idx,
-          kernels::gemm::tile_part<kWeightGradGemm>(args, tile, consumer_idx, false), acc);
+          kernels::gemm::mma_columns<kWeightGradGemm>(args, tile, consumer_idx, false), acc);
     }
     case BackwardTaskKind::kEnd:
       break;

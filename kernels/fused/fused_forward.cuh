@@ -220,32 +220,31 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
                                              uint32_t*& done) {
   const FusedCounters counters = counters_of(p.ws);
   const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};
-  auto tile_part = [&](auto kind_tag, const GroupedGemmArgs& args) {
-    return kernels::gemm::tile_part<decltype(kind_tag)::value>(args, tile, consumer_idx,
-                                                               task.upper_half_padding);
+  auto mma_columns = [&](auto kind_tag, const GroupedGemmArgs& args) {
+    return kernels::gemm::mma_columns<decltype(kind_tag)::value>(args, tile, consumer_idx,
+                                                                 task.upper_half_padding);
   };
   switch (task.kind) {
     case TaskKind::kSharedGateUp:
       done = counters.first_done(true, task.m_block);
       return kernels::gemm::consume_tile<kGateUpGemm>(
           ss, ring, p.shared_gate_up, tile, 0, k_blocks(p.shared_gate_up), consumer_idx,
-          tile_part(GemmTag<kGateUpGemm>{}, p.shared_gate_up), acc);
+          mma_columns(GemmTag<kGateUpGemm>{}, p.shared_gate_up), acc);
     case TaskKind::kSharedDown:
       return kernels::gemm::consume_tile<kDownGemm>(ss, ring, p.shared_down, tile, 0, k_blocks(p.shared_down),
                                                     consumer_idx,
-                                                    tile_part(GemmTag<kDownGemm>{}, p.shared_down), acc);
+                                                    mma_columns(GemmTag<kDownGemm>{}, p.shared_down), acc);
     case TaskKind::kGateUp:
       done = counters.first_done(false, schedule_block_of(task));
       return kernels::gemm::consume_tile<kGateUpGemm>(ss, ring, p.gate_up, tile, 0, k_blocks(p.gate_up),
                                                       consumer_idx,
-                                                      tile_part(GemmTag<kGateUpGemm>{}, p.gate_up), acc);
-    case TaskKind::kDown: {
-      const kernels::gemm::TilePart part = tile_part(GemmTag<kDownGemm>{}, p.down);
-      if (!kernels::gemm::multiply_tile<kDownGemm>(ss, ring, p.down, 0, k_blocks(p.down), consumer_idx, part,
-                                                   acc))
+                                                      mma_columns(GemmTag<kGateUpGemm>{}, p.gate_up), acc);
+    case TaskKind::kDown:
+      if (!kernels::gemm::multiply_tile<kDownGemm>(ss, ring, p.down, 0, k_blocks(p.down), consumer_idx,
+                                                   mma_columns(GemmTag<kDownGemm>{}, p.down), acc))
         return false;
       if (p.push_combine) {
-        kernels::gemm::store_tile<kDownGemm>(acc, p.down, tile, true, consumer_idx, part);
+        kernels::gemm::store_tile<kDownGemm>(acc, p.down, tile, true, consumer_idx);
         done = counters.rows_done(task.unit);
       } else {
         store_tile_to_slots(acc, p.ws, p.ws.sym_y_slots, p.down.n, schedule_block_of(task), task.n_block,
@@ -253,7 +252,6 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
         if constexpr (!std::is_same_v<TaskT, Task>) done = counters.ring_free(macrobatch_of(task));
       }
       return true;
-    }
     case TaskKind::kEnd:
       break;
   }

@@ -56,15 +56,10 @@ enum class WaitError : int32_t { kNone = 0, kFullStage = 1, kEmptyStage = 2, kRo
 
 struct GemmConfig {
   static constexpr int BLOCK_M = 128;
-  static constexpr int BLOCK_N = 256;  // B rows per stage (gate/up: see kGateUpBoxRows)
+  static constexpr int BLOCK_N = 256;  // B rows per stage (gate/up: 128 gate + 128 up)
   static constexpr int BLOCK_K = 64;
   static constexpr int kBoxMN = 64;  // MN-major operands arrive in boxes of 64 contiguous elements x BLOCK_K
   static constexpr uint32_t kBoxBytes = kBoxMN * BLOCK_K * 2;
-  // Gate/up's B stage: boxes of 64 weight rows, gate then up of output columns 0..63 of the tile, then gate
-  // then up of columns 64..127. So one wgmma over B rows [0, 256) gives gate and up of all 128 output columns
-  // (accumulators [64 h, 64 h + 32) gate, [64 h + 32, 64 h + 64) up of columns [64 h, 64 h + 64)), and one over
-  // B rows [128 h, 128 h + 128) those of half h alone (a split or edge tile, grouped_gemm_kernel.cuh).
-  static constexpr int kGateUpBoxRows = 64;
   static constexpr int kNumStages = 4;
   static constexpr int kNumConsumerWarpgroups = 2;
   static constexpr int kNumThreads = 128 * (1 + kNumConsumerWarpgroups);
@@ -116,8 +111,6 @@ struct GroupedGemmArgs {
   const int32_t* group_active;  // kReduction: [num_groups], 0 = leave that group's output alone; null = all
   WeightGradMode weight_grad_mode;
   ActivationParams activation;
-  bool split_padding_tiles;  // gate/up, activation backward: split a tile whose rows 64..127 hold no data
-                             // (tile_part); the kernels that hand tiles out dynamically (fused_*.cuh) only
   int32_t* error_flag;  // first WaitError recorded by any CTA
 };
 

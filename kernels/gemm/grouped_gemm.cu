@@ -4,8 +4,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cstdlib>
-#include <string>
 
 #include "kernels/common/tma.h"
 #include "kernels/gemm/gemm_operands.h"
@@ -203,7 +201,6 @@ gemm::GroupedGemmArgs base_args(const GroupedRows& rows, int64_t n, int64_t k) {
   args.k = static_cast<int32_t>(k);
   args.k_split = static_cast<int32_t>(k);
   args.out_ld = n;
-  args.split_padding_tiles = split_padding_tiles(/*dynamic_tiles=*/false);
   return args;
 }
 
@@ -252,8 +249,8 @@ GemmOperands gate_up_operands(const GroupedRows& rows, const void* a, const void
   o.args.activation = activation;
   if (rows.max_rows == 0) return o;  // no rows to map: the launchers stop here
   o.a = activation_map(rows, a, k);
-  o.b0 = weight_map(w_gate, rows.num_groups, n, k, GemmConfig::kGateUpBoxRows);
-  o.b1 = weight_map(w_up, rows.num_groups, n, k, GemmConfig::kGateUpBoxRows);
+  o.b0 = weight_map(w_gate, rows.num_groups, n, k, GemmConfig::BLOCK_N / 2);
+  o.b1 = weight_map(w_up, rows.num_groups, n, k, GemmConfig::BLOCK_N / 2);
   return o;
 }
 
@@ -386,12 +383,6 @@ void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, i
   gemm::weight_grad_pingpong_kernel<<<grid, GemmConfig::kNumThreads, gemm::kPingPongSharedBytes, stream>>>(
       operands.a, operands.b0, args);
   POUNCE_GEMM_CUDA_CHECK(cudaGetLastError());
-}
-
-bool split_padding_tiles(bool dynamic_tiles) {
-  const char* forced = std::getenv("POUNCE_SPLIT_TILES");
-  if (forced != nullptr && (std::string(forced) == "0" || std::string(forced) == "1")) return forced[0] == '1';
-  return dynamic_tiles;
 }
 
 int32_t grouped_gemm_error_code(bool reset) {

@@ -100,11 +100,4 @@ void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, i
 // device; for tests and error reporting, not for the hot path.
 int32_t grouped_gemm_error_code(bool reset);
 
-// Whether gate/up and activation-backward tiles whose rows 64..127 hold no data are split (tile_part in
-// grouped_gemm_kernel.cuh): `dynamic_tiles`, i.e. in the fused kernels, whose tiles are handed out by a ticket,
-// and not in the standalone launches, whose static round-robin keeps the CTAs sharing a weight tile in step
-// only while every tile takes the same time (docs/design.md "Split tiles"). POUNCE_SPLIT_TILES=0 / 1 forces
-// it off / on everywhere (measurements).
-bool split_padding_tiles(bool dynamic_tiles);
-
 }  // namespace pounce::kernels

@@ -16,9 +16,8 @@
 // Handoffs: full[s] completes when a stage's bytes landed (TMA transaction count); empty[s] completes when
 // all 8 consumer warps finished the wgmmas that read it. Every wait is bounded: on timeout the waiter writes
 // an error code to args.error_flag and leaves, so a broken input fails the call instead of hanging.
-// Gate/up: the B stage holds w_gate and w_up rows of the same 128 output columns in 64-row boxes (gate, up of
-// columns 0..63, then of 64..127: GemmConfig::kGateUpBoxRows), so one N = 256 wgmma yields gate and up of all
-// of them, and one N = 128 wgmma those of one half (a split tile: tile_part).
+// Gate/up: B stage rows 0..127 are w_gate[n0 .. n0+128), rows 128..255 are w_up[same], so one N = 256
+// wgmma yields gate (accumulators 0..63) and up (64..127) of the same output columns.
 #pragma once
 
 #include <cuda.h>
@@ -38,50 +37,28 @@ namespace pounce::kernels::gemm {
 // ---------------------------------------------------------------------------------------------------
 // Tile extents
 // ---------------------------------------------------------------------------------------------------
-// How one consumer warpgroup takes part in a tile: the wgmma width it multiplies at, and whether the tile is
-// split.
-//   whole tile: the warpgroup's own 64 rows (64 * consumer_idx) and the tile's columns from 0, at 256 or, for
-//     an edge tile with at most 64 output columns below n (n % 256 == 64: gpt-oss's 2880), at the narrowest
-//     width holding them: 64, or 128 for gate/up, whose 64 output columns are 128 B rows (gate and up).
-//   split tile (gate/up and the activation backward, when the tile's rows 64..127 hold no data,
-//     `upper_half_padding`): both warpgroups multiply the tile's rows 0..63, each one half of the columns
-//     (consumer_idx picks the half), at 128 (64 for a half with at most 64 columns below n, 0 for a half wholly
-//     past n). Half the tensor work of computing the padding rows, shared evenly, so the two warpgroups stay
-//     in step; each writes zeros into the padding rows of its half (what zero rows of A give: the later GEMMs
-//     read them).
-//   mma_cols 0 otherwise: the warpgroup's 64 rows are all padding: weight-gradient rows at or beyond m, and for
-//     C (forward down, d_x) a group's rows past its data (its accumulators become zeros, see
-//     multiply_k_blocks, and are stored).
-// Columns and rows a narrower wgmma leaves out are never stored. Measured with the launches interleaved
-// (bench/results/padding_h200_2026-11-30.txt, deepseek / gpt-oss EP2 rows): skipping C's upper half speeds C
-// up 3 % / 2 %; the same skip (one warpgroup idle) slowed the activation backward 20 % / 3 % because its
-// warpgroups drift apart and one multiplies alone while the other runs the long epilogue, hence the split.
-// The widths per kind stay few (cmake/ptxas_guard.sh: with more code paths ptxas stops pipelining the fused
-// kernels' wgmmas).
-struct TilePart {
-  int32_t mma_cols;  // 256, 128, 64, or 0: no wgmma
-  bool split;
-};
-
+// The wgmma width one consumer warpgroup needs for a tile: 64 columns for an edge tile with at most 64
+// columns below n (n % 256 == 64: gpt-oss's 2880), a quarter of the tensor work, else 256; 0 (no wgmma at
+// all) when all 64 of the warpgroup's rows are padding: weight-gradient rows at or beyond m, and for C
+// (forward down, d_x) a group's rows past its data (`upper_half_padding`, from GroupedGemmArgs::group_rows or
+// the fused schedulers). Columns and rows a narrower wgmma leaves out are never stored; skipped rows get
+// exactly what zero rows of A give. Measured with the launches interleaved
+// (bench/results/padding_h200_2026-11-30.txt, deepseek / gpt-oss EP2 rows): the row skip speeds C up 3 % / 2
+// % but slows the activation backward 20 % / 3 % (its warpgroups drift apart: one multiplies alone while the
+// other runs the long epilogue), so gate/up and the activation backward compute their padding rows. Gate/up
+// always runs 256 wide, and no width but 64 is offered: with more code paths the fused kernels' register
+// allocation no longer pipelines their wgmmas (cmake/ptxas_guard.sh).
 template <GemmKind kKind>
-__device__ __forceinline__ TilePart tile_part(const GroupedGemmArgs& args, const Tile& tile, int consumer_idx,
-                                              bool upper_half_padding) {
-  constexpr Epilogue kEpilogue = kKind.epilogue;
-  const int32_t cols_left = args.n - tile.n_block * kOutBlockN<kEpilogue>;  // output columns below n
+__device__ __forceinline__ int32_t mma_columns(const GroupedGemmArgs& args, const Tile& tile,
+                                               int consumer_idx, bool upper_half_padding) {
   if constexpr (kKind.grouping == Grouping::kReduction) {
-    if (tile.m_block * GemmConfig::BLOCK_M + 64 * consumer_idx >= args.m) return {0, false};
-  } else if constexpr (kEpilogue == Epilogue::kGateUpActivation) {
-    if (upper_half_padding && args.split_padding_tiles) return {64 * consumer_idx < cols_left ? 128 : 0, true};
-    return {cols_left <= 64 ? 128 : 256, false};
-  } else if constexpr (kEpilogue == Epilogue::kActivationBackward) {
-    if (upper_half_padding && args.split_padding_tiles) {
-      const int32_t half_left = cols_left - 128 * consumer_idx;
-      return {half_left <= 0 ? 0 : half_left <= 64 ? 64 : 128, true};
-    }
-  } else if constexpr (kEpilogue == Epilogue::kStore) {
-    if (consumer_idx == 1 && upper_half_padding) return {0, false};
+    if (tile.m_block * GemmConfig::BLOCK_M + 64 * consumer_idx >= args.m) return 0;
+  } else if constexpr (kKind.epilogue == Epilogue::kGateUpActivation) {
+    return 256;
+  } else if constexpr (kKind.epilogue == Epilogue::kStore) {
+    if (consumer_idx == 1 && upper_half_padding) return 0;
   }
-  return {cols_left <= 64 ? 64 : 256, false};
+  return args.n - tile.n_block * kOutBlockN<kKind.epilogue> <= 64 ? 64 : 256;
 }
 
 // Rows 64..127 of a row-grouped tile hold no data (its group's rows end at or before row 64 of the tile),
@@ -144,9 +121,9 @@ struct TileWalk {
     return true;
   }
 
-  // How this consumer warpgroup takes part in a tile (tile_part).
-  static __device__ TilePart tile_part(const GroupedGemmArgs& args, const Tile& tile, int consumer_idx) {
-    return gemm::tile_part<kKind>(args, tile, consumer_idx, upper_half_padding<kKind>(args, tile));
+  // The width this consumer warpgroup multiplies a tile at (mma_columns).
+  static __device__ int32_t mma_columns(const GroupedGemmArgs& args, const Tile& tile, int consumer_idx) {
+    return gemm::mma_columns<kKind>(args, tile, consumer_idx, upper_half_padding<kKind>(args, tile));
   }
 };
 
@@ -198,16 +175,8 @@ __device__ __forceinline__ bool produce_tile(SharedStorage& ss, Ring& ring, cons
         ptx::tma_load_2d(st.a + box * C::kBoxMN * C::BLOCK_K, &tmap_a, full, row0 + box * C::kBoxMN, k0);
     }
     if constexpr (kEpilogue == Epilogue::kGateUpActivation) {
-      // Boxes of 64 weight rows: gate and up of output columns [col0, col0 + 64), then of [col0 + 64, +64).
-      // An edge tile's second half lies wholly past n; it multiplies only the first (tile_part), and its
-      // second pair of boxes repeats the first (a box inside the matrix, the same bytes). A fixed count of
-      // four keeps the producer's loop within its 40 registers (the ring kernel spilled otherwise).
-      const int32_t col_hi = args.n - col0 > C::kGateUpBoxRows ? col0 + C::kGateUpBoxRows : col0;
-#pragma unroll
-      for (int box = 0; box < 4; ++box) {
-        ptx::tma_load_3d(st.b + box * C::kGateUpBoxRows * C::BLOCK_K, box % 2 == 0 ? &tmap_b0 : &tmap_b1, full,
-                         k0, box < 2 ? col0 : col_hi, tile.group);
-      }
+      ptx::tma_load_3d(st.b, &tmap_b0, full, k0, col0, tile.group);
+      ptx::tma_load_3d(st.b + (C::BLOCK_N / 2) * C::BLOCK_K, &tmap_b1, full, k0, col0, tile.group);
     } else if constexpr (kKind.b == Major::kK) {
       ptx::tma_load_3d(st.b, &tmap_b0, full, k0, col0, tile.group);
     } else if constexpr (kKind.grouping == Grouping::kReduction) {
@@ -325,28 +294,20 @@ __device__ __forceinline__ void store_tile_bf16(const float (&acc)[kAccs], __nv_
   store_rows_bf16(acc, row_base, n, col_block, lane);
 }
 
-// The accumulator index of gate/up's gate value for 32-column group m (of the tile's output columns), unit c
-// of it, row half h (kGateUpBoxRows's layout: per 64 columns 32 gate accumulators, then 32 up ones); up is 32
-// further.
-__device__ __forceinline__ constexpr int gate_acc_index(int m, int c, int h) {
-  return 64 * (m / 2) + 16 * (m % 2) + 4 * c + 2 * h;
-}
-
-// g, u and act of this lane's two rows, the first kHalves * 64 output columns from col_block (below n).
-template <int kHalves>
+// Gate in accumulator chunks 0..15, up in 16..31, same columns.
 __device__ __forceinline__ void store_gate_up_tile(const float (&acc)[128], const GroupedGemmArgs& args,
                                                    int64_t row, int32_t col_block, int lane) {
 #pragma unroll
-  for (int m = 0; m < 2 * kHalves; ++m) {
+  for (int m = 0; m < 4; ++m) {
     if (col_block + 32 * m >= args.n) break;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       uint32_t g[4], u[4], a[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const int i = gate_acc_index(m, c, h);
+        const int i = 4 * (4 * m + c) + 2 * h;
         g[c] = ptx::pack_bf16x2(acc[i], acc[i + 1]);
-        u[c] = ptx::pack_bf16x2(acc[i + 32], acc[i + 33]);
+        u[c] = ptx::pack_bf16x2(acc[64 + i], acc[64 + i + 1]);
         a[c] = ptx::pack_bf16x2(apply_activation(bf16_lo(g[c]), bf16_lo(u[c]), args.activation),
                                 apply_activation(bf16_hi(g[c]), bf16_hi(u[c]), args.activation));
       }
@@ -361,34 +322,17 @@ __device__ __forceinline__ void store_gate_up_tile(const float (&acc)[128], cons
   }
 }
 
-// Zeros into this lane's two rows (`row`, row + 8) of `out`, kCols columns from col_block (below n): the
-// padding rows of a split tile's half.
-template <int kCols>
-__device__ __forceinline__ void store_zero_rows(__nv_bfloat16* out, int64_t ld, int32_t n, int64_t row,
-                                                int32_t col_block, int lane) {
-  const uint32_t zeros[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-  for (int m = 0; m < kCols / 32; ++m) {
-    if (col_block + 32 * m >= n) break;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) store_16_bytes(out + (row + 8 * h) * ld + col_block + 32 * m + 8 * (lane % 4), zeros);
-  }
-}
-
 // d_a = bf16(acc) (the reference's rounding point), then d_g, d_u = bf16(act'(g, u) d_a) with g and u the
 // bf16 values the forward saved at the same (row, column). g and u of kActivationLoadBatch 32-column groups
 // are loaded before any is used: one memory latency per batch instead of one per group (the loads, not the
 // arithmetic, were most of this epilogue's time).
-// kGroups 32-column groups from col_block (8: a whole tile; 4: a split tile's half).
 inline constexpr int kActivationLoadBatch = 2;
-template <int kGroups>
 __device__ __forceinline__ void store_activation_backward_tile(const float (&acc)[128],
                                                                const GroupedGemmArgs& args, int64_t row,
                                                                int32_t col_block, int lane) {
-  static_assert(kGroups % kActivationLoadBatch == 0, "whole load batches");
   const int64_t lane_col = col_block + 8 * (lane % 4);
 #pragma unroll
-  for (int m0 = 0; m0 < kGroups; m0 += kActivationLoadBatch) {
+  for (int m0 = 0; m0 < 8; m0 += kActivationLoadBatch) {
     if (col_block + 32 * m0 >= args.n) break;
     uint4 g[kActivationLoadBatch][2], u[kActivationLoadBatch][2];
 #pragma unroll
@@ -522,39 +466,27 @@ __device__ __forceinline__ void store_chunks_bf16(const float (&acc)[128], Chunk
   }
 }
 
-// g, u and act of kHalves * 64 columns from col_block: per 64 columns (c) a chunk of each, from accumulator
-// units 16 c .. 16 c + 7 (gate) and 16 c + 8 .. 16 c + 15 (up), kGateUpBoxRows's layout.
-template <int kHalves, typename Chunks>
+// g (accumulator units 0..15), u (16..31) and act of the same 128 columns: per 64 columns a chunk of each.
+template <typename Chunks>
 __device__ __forceinline__ void store_gate_up_chunks(const float (&acc)[128], Chunks& chunks,
                                                      const OutputMaps& maps, const GroupedGemmArgs& args,
                                                      int32_t row, int32_t col_block) {
-  static_assert(GemmConfig::kStoreChunkCols == GemmConfig::kGateUpBoxRows, "one chunk per half");
+  constexpr int kUpUnits = kOutBlockN<Epilogue::kGateUpActivation> / 8;
 #pragma unroll
-  for (int c = 0; c < kHalves; ++c) {
+  for (int c = 0; c < kOutBlockN<Epilogue::kGateUpActivation> / GemmConfig::kStoreChunkCols; ++c) {
     const int32_t col = col_block + c * GemmConfig::kStoreChunkCols;
     if (col >= args.n) break;
-    write_chunk(chunks.buffer(), [&](int u, int h) { return packed_pair(acc, 16 * c + u, h); });
+    write_chunk(chunks.buffer(), [&](int u, int h) { return packed_pair(acc, 8 * c + u, h); });
     chunks.publish([&](uint32_t buffer) { ptx::tma_store_2d(&maps.out[0], buffer, col, row); });
-    write_chunk(chunks.buffer(), [&](int u, int h) { return packed_pair(acc, 16 * c + 8 + u, h); });
+    write_chunk(chunks.buffer(), [&](int u, int h) { return packed_pair(acc, kUpUnits + 8 * c + u, h); });
     chunks.publish([&](uint32_t buffer) { ptx::tma_store_2d(&maps.out[1], buffer, col, row); });
     write_chunk(chunks.buffer(), [&](int u, int h) {
-      const uint32_t g = packed_pair(acc, 16 * c + u, h), up = packed_pair(acc, 16 * c + 8 + u, h);
+      const uint32_t g = packed_pair(acc, 8 * c + u, h), up = packed_pair(acc, kUpUnits + 8 * c + u, h);
       return ptx::pack_bf16x2(apply_activation(bf16_lo(g), bf16_lo(up), args.activation),
                               apply_activation(bf16_hi(g), bf16_hi(up), args.activation));
     });
     chunks.publish([&](uint32_t buffer) { ptx::tma_store_2d(&maps.out[2], buffer, col, row); });
   }
-}
-
-// Zeros into 64 rows from `row` of g, u and act, the 64 columns from `col` (a split tile's padding rows): one
-// chunk of zeros, three stores.
-template <typename Chunks>
-__device__ __forceinline__ void store_gate_up_zero_chunks(Chunks& chunks, const OutputMaps& maps, int32_t row,
-                                                          int32_t col) {
-  write_chunk(chunks.buffer(), [](int, int) { return 0u; });
-  chunks.publish([&](uint32_t buffer) {
-    for (int out = 0; out < 3; ++out) ptx::tma_store_2d(&maps.out[out], buffer, col, row);
-  });
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -577,8 +509,7 @@ struct ReleaseToProducer {
   }
 };
 
-// A K block's wgmmas at width kCols (tile_part): accumulators [0, kCols / 2) hold columns [0, kCols) of B
-// from b_base.
+// A K block's wgmmas at width kCols (mma_columns): accumulators [0, kCols / 2) hold columns [0, kCols).
 template <GemmKind kKind, int kCols>
 __device__ __forceinline__ void issue_k_block(float (&acc)[128], uint32_t a_base, uint32_t b_base,
                                               bool accumulate) {
@@ -591,25 +522,24 @@ __device__ __forceinline__ void issue_k_block(float (&acc)[128], uint32_t a_base
     const bool acc_in = accumulate || kk > 0;
     if constexpr (kCols == 256) {
       ptx::wgmma_m64n256k16_bf16<kMnA, kMnB>(acc, a, b, acc_in);
-    } else if constexpr (kCols == 128) {
-      ptx::wgmma_m64n128k16_bf16<kMnA, kMnB>(acc, a, b, acc_in);
     } else {
       ptx::wgmma_m64n64k16_bf16<kMnA, kMnB>(acc, a, b, acc_in);
     }
   }
 }
 
-// K blocks [kb_begin, kb_end) at width kCols, A's 64 rows from byte a_offset of a stage's A tile and B's
-// columns from byte b_offset of its B tile (tile_part). kCols = 0: every stage is waited for and handed back;
-// C's accumulators become what its zero A rows give, by one k16 wgmma over the first stage (writing them with
-// plain instructions would make ptxas serialise every wgmma of the kernel); the other kinds store nothing
-// from a warpgroup without wgmmas (weight-gradient rows at or beyond m, a split tile's half past n).
+// K blocks [kb_begin, kb_end) at width kCols. kCols = 0 (the warpgroup's rows are all padding): every stage
+// is waited for and handed back; a row tile's accumulators become what its zero A rows give, by one k16 wgmma
+// over the first stage (writing them with plain instructions would make ptxas serialise every wgmma of the
+// kernel); a weight-gradient tile's rows at or beyond m are never stored, so they stay as they are.
 template <GemmKind kKind, int kCols, typename Ring, typename Release>
 __device__ __forceinline__ bool multiply_k_blocks(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
-                                                  int32_t kb_begin, int32_t kb_end, uint32_t a_offset,
-                                                  uint32_t b_offset, float (&acc)[128], Release release) {
+                                                  int32_t kb_begin, int32_t kb_end, int consumer_idx,
+                                                  float (&acc)[128], Release release) {
   using C = GemmConfig;
-  constexpr bool kZeroRows = kCols == 0 && kKind.epilogue == Epilogue::kStore;
+  // This warpgroup's 64 rows of A: rows 64c.. of a K-major tile, or box c of an M-major one; both 8 KB in.
+  const uint32_t a_offset_bytes = consumer_idx * 64 * C::BLOCK_K * 2;
+  constexpr bool kZeroRows = kCols == 0 && kKind.grouping == Grouping::kRows;
   uint32_t prev_stage = 0;
   for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
     if (!ptx::mbarrier_wait_parity_bounded(&ss.full[ring.stage], ring.phase, C::kWaitTimeoutNs)) {
@@ -617,8 +547,8 @@ __device__ __forceinline__ bool multiply_k_blocks(SharedStorage& ss, Ring& ring,
       record_error(args.error_flag, WaitError::kFullStage);
       return false;
     }
-    const uint32_t a_base = ptx::smem_addr(ss.stages[ring.stage].a) + a_offset;
-    const uint32_t b_base = ptx::smem_addr(ss.stages[ring.stage].b) + b_offset;
+    const uint32_t a_base = ptx::smem_addr(ss.stages[ring.stage].a) + a_offset_bytes;
+    const uint32_t b_base = ptx::smem_addr(ss.stages[ring.stage].b);
     if constexpr (kCols == 0) {
       if (kZeroRows && kb == kb_begin) {
         fence_accumulators(acc);
@@ -652,46 +582,27 @@ __device__ __forceinline__ bool multiply_k_blocks(SharedStorage& ss, Ring& ring,
   return true;
 }
 
-// Multiplies this warpgroup's part of one tile (tile_part) over K blocks [kb_begin, kb_end) into `acc`; every
-// thread calls `release(stage)` once a stage's wgmmas are done. False when a stage never filled (recorded in
-// args.error_flag). Each kind instantiates only the widths its tile_part gives.
+// Multiplies this warpgroup's 64 rows of one tile over K blocks [kb_begin, kb_end) into `acc` at the width
+// `mma_cols` (mma_columns); every thread calls `release(stage)` once a stage's wgmmas are done. False when a
+// stage never filled (recorded in args.error_flag).
 template <GemmKind kKind, typename Ring, typename Release>
 __device__ __forceinline__ bool multiply_tile(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
-                                              int32_t kb_begin, int32_t kb_end, int consumer_idx, TilePart part,
-                                              float (&acc)[128], Release release) {
-  constexpr Epilogue kEpilogue = kKind.epilogue;
-  constexpr bool kNarrow64 = kEpilogue != Epilogue::kGateUpActivation;
-  constexpr bool kNarrow128 =
-      kEpilogue == Epilogue::kGateUpActivation || kEpilogue == Epilogue::kActivationBackward;
-  // The warpgroup's 64 rows of A: rows 64c.. of a K-major tile, or box c of an M-major one, both 8 KB in; a
-  // split tile's rows 0..63 for both. B: a split tile's column half c is half of the B stage in (gate/up:
-  // B rows 128c..; MN-major: boxes 2c, 2c + 1).
-  const uint32_t own_rows = static_cast<uint32_t>(consumer_idx) * 64 * GemmConfig::BLOCK_K * 2;
-  auto run = [&](auto width) {
-    constexpr int kCols = decltype(width)::value;
-    if constexpr (kCols == 256) {  // never split: B from its first row, as a compile-time offset
-      return multiply_k_blocks<kKind, kCols>(ss, ring, args, kb_begin, kb_end, own_rows, 0u, acc, release);
-    } else {
-      const uint32_t a_offset = part.split ? 0u : own_rows;
-      const uint32_t b_offset = part.split ? static_cast<uint32_t>(consumer_idx) * GemmConfig::kStageBytesB / 2 : 0u;
-      return multiply_k_blocks<kKind, kCols>(ss, ring, args, kb_begin, kb_end, a_offset, b_offset, acc,
-                                             release);
-    }
-  };
-  if (part.mma_cols == 0) return run(std::integral_constant<int, 0>{});
-  if constexpr (kNarrow64) {
-    if (part.mma_cols == 64) return run(std::integral_constant<int, 64>{});
+                                              int32_t kb_begin, int32_t kb_end, int consumer_idx,
+                                              int32_t mma_cols, float (&acc)[128], Release release) {
+  if constexpr (kKind.epilogue != Epilogue::kGateUpActivation) {  // always 256 (mma_columns)
+    if (mma_cols == 0)
+      return multiply_k_blocks<kKind, 0>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
+    if (mma_cols == 64)
+      return multiply_k_blocks<kKind, 64>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
   }
-  if constexpr (kNarrow128) {
-    if (part.mma_cols == 128) return run(std::integral_constant<int, 128>{});
-  }
-  return run(std::integral_constant<int, 256>{});
+  return multiply_k_blocks<kKind, 256>(ss, ring, args, kb_begin, kb_end, consumer_idx, acc, release);
 }
 template <GemmKind kKind, typename Ring>
 __device__ __forceinline__ bool multiply_tile(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
-                                              int32_t kb_begin, int32_t kb_end, int consumer_idx, TilePart part,
-                                              float (&acc)[128]) {
-  return multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, part, acc, ReleaseToProducer{ss});
+                                              int32_t kb_begin, int32_t kb_end, int consumer_idx,
+                                              int32_t mma_cols, float (&acc)[128]) {
+  return multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, mma_cols, acc,
+                              ReleaseToProducer{ss});
 }
 
 // This lane's first row of a tile (the second is 8 below): consumer warpgroup, warp and quad.
@@ -702,41 +613,20 @@ __device__ __forceinline__ int64_t tile_row(int32_t m_block, int consumer_idx) {
          lane / 4;
 }
 
-// Stores this warpgroup's part of a multiplied tile (tile_part) through the kind's epilogue.
+// Stores this warpgroup's rows of a multiplied tile through the kind's epilogue.
 template <GemmKind kKind>
 __device__ __forceinline__ void store_tile(const float (&acc)[128], const GroupedGemmArgs& args,
-                                           const Tile& tile, bool has_k_blocks, int consumer_idx,
-                                           TilePart part) {
+                                           const Tile& tile, bool has_k_blocks, int consumer_idx) {
   constexpr Epilogue kEpilogue = kKind.epilogue;
   const int lane = threadIdx.x % 32;
   const int64_t row = tile_row(tile.m_block, consumer_idx);
   const int32_t col_block = tile.n_block * kOutBlockN<kEpilogue>;
   if constexpr (kEpilogue == Epilogue::kStore) {
     store_tile_bf16(acc, args.out0, args.out_ld, args.n, row, col_block, INT64_MAX, lane);
-  } else if constexpr (kEpilogue == Epilogue::kGateUpActivation ||
-                       kEpilogue == Epilogue::kActivationBackward) {
-    if (!part.split) {
-      if constexpr (kEpilogue == Epilogue::kGateUpActivation) {
-        store_gate_up_tile<2>(acc, args, row, col_block, lane);
-      } else {
-        store_activation_backward_tile<8>(acc, args, row, col_block, lane);
-      }
-      return;
-    }
-    if (part.mma_cols == 0) return;  // its half lies past n
-    // A split tile: this warpgroup's column half of rows 0..63, and zeros in rows 64..127 of those columns.
-    const int64_t data_row = tile_row(tile.m_block, 0), padding_row = data_row + 64;
-    constexpr int kHalfCols = kOutBlockN<kEpilogue> / 2;
-    const int32_t col = col_block + kHalfCols * consumer_idx;
-    if constexpr (kEpilogue == Epilogue::kGateUpActivation) {
-      store_gate_up_tile<1>(acc, args, data_row, col, lane);
-      for (__nv_bfloat16* out : {args.out0, args.out1, args.out2})
-        store_zero_rows<kHalfCols>(out, args.out_ld, args.n, padding_row, col, lane);
-    } else {
-      store_activation_backward_tile<4>(acc, args, data_row, col, lane);
-      for (__nv_bfloat16* out : {args.out0, args.out1})
-        store_zero_rows<kHalfCols>(out, args.out_ld, args.n, padding_row, col, lane);
-    }
+  } else if constexpr (kEpilogue == Epilogue::kGateUpActivation) {
+    store_gate_up_tile(acc, args, row, col_block, lane);
+  } else if constexpr (kEpilogue == Epilogue::kActivationBackward) {
+    store_activation_backward_tile(acc, args, row, col_block, lane);
   } else if (has_k_blocks) {
     store_weight_grad_tile(acc, args, tile.group, row, col_block, lane);
   } else {
@@ -748,22 +638,15 @@ __device__ __forceinline__ void store_tile(const float (&acc)[128], const Groupe
 template <GemmKind kKind, typename Chunks>
 __device__ __forceinline__ void store_tile_through_smem(const float (&acc)[128], const GroupedGemmArgs& args,
                                                         const OutputMaps& maps, const Tile& tile,
-                                                        int consumer_idx, TilePart part, Chunks& chunks) {
-  const int32_t tile_first_row = tile.m_block * GemmConfig::BLOCK_M;
-  const int32_t row = tile_first_row + consumer_idx * 64;  // the warpgroup's first
+                                                        int consumer_idx, Chunks& chunks) {
+  const int32_t row = tile.m_block * GemmConfig::BLOCK_M + consumer_idx * 64;  // the warpgroup's first
   const int32_t col_block = tile.n_block * kOutBlockN<kKind.epilogue>;
   if constexpr (kKind.epilogue == Epilogue::kStore) {
     store_chunks_bf16(acc, chunks, ChunkTarget{&maps.out[0], row}, args.n, col_block);
   } else {
     static_assert(kKind.epilogue == Epilogue::kGateUpActivation,
                   "C and gate/up only: the other epilogues store per lane (epilogue_layout)");
-    if (!part.split) {
-      store_gate_up_chunks<2>(acc, chunks, maps, args, row, col_block);
-    } else if (part.mma_cols != 0) {  // as store_tile
-      const int32_t col = col_block + GemmConfig::kGateUpBoxRows * consumer_idx;
-      store_gate_up_chunks<1>(acc, chunks, maps, args, tile_first_row, col);
-      store_gate_up_zero_chunks(chunks, maps, tile_first_row + 64, col);
-    }
+    store_gate_up_chunks(acc, chunks, maps, args, row, col_block);
   }
 }
 
@@ -771,14 +654,14 @@ __device__ __forceinline__ void store_tile_through_smem(const float (&acc)[128],
 template <GemmKind kKind, typename Ring>
 __device__ __forceinline__ bool consume_tile(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
                                              const Tile& tile, int32_t kb_begin, int32_t kb_end,
-                                             int consumer_idx, TilePart part, float (&acc)[128]) {
-  if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, part, acc)) return false;
-  store_tile<kKind>(acc, args, tile, kb_end > kb_begin, consumer_idx, part);
+                                             int consumer_idx, int32_t mma_cols, float (&acc)[128]) {
+  if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, mma_cols, acc)) return false;
+  store_tile<kKind>(acc, args, tile, kb_end > kb_begin, consumer_idx);
   return true;
 }
 
-// Consumer: a warpgroup multiplies its part of every tile, releasing each stage one K block late so that one
-// wgmma group stays in flight while the next is issued.
+// Consumer: a warpgroup multiplies its 64 rows of every tile, releasing each stage one K block late so that
+// one wgmma group stays in flight while the next is issued.
 template <GemmKind kKind>
 __device__ __forceinline__ void run_consumer(SharedStorage& ss, const GroupedGemmArgs& args,
                                              const OutputMaps& maps, int consumer_idx) {
@@ -793,15 +676,18 @@ __device__ __forceinline__ void run_consumer(SharedStorage& ss, const GroupedGem
   if constexpr (kLayout.chunks > 0) {
     StoreChunkRing<kLayout.chunks> chunks(ss, kLayout, consumer_idx);
     while (walk.next(args, tile, kb_begin, kb_end)) {
-      const TilePart part = walk.tile_part(args, tile, consumer_idx);
-      if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, part, acc)) break;
-      store_tile_through_smem<kKind>(acc, args, maps, tile, consumer_idx, part, chunks);
+      if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx,
+                                walk.mma_columns(args, tile, consumer_idx), acc))
+        break;
+      store_tile_through_smem<kKind>(acc, args, maps, tile, consumer_idx, chunks);
     }
     chunks.drain();
   } else {
     while (walk.next(args, tile, kb_begin, kb_end)) {
-      const TilePart part = walk.tile_part(args, tile, consumer_idx);
-      if (!consume_tile<kKind>(ss, ring, args, tile, kb_begin, kb_end, consumer_idx, part, acc)) break;
+      if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx,
+                                walk.mma_columns(args, tile, consumer_idx), acc))
+        break;
+      store_tile<kKind>(acc, args, tile, kb_end > kb_begin, consumer_idx);
     }
   }
 }

@@ -113,11 +113,9 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
                                     mb.x_rows, args.inputs.routed.gate.data, args.inputs.routed.up.data,
                                     mb.g_rows, mb.u_rows, mb.act_rows, I, H, activation);
       params.replay_gate_up.args.error_flag = gemm_error;
-      params.replay_gate_up.args.split_padding_tiles = kernels::split_padding_tiles(/*dynamic_tiles=*/true);
       params.replay_row_offset = p.macrobatch(b, layout::MacrobatchRows::kReplay).group_row_offset;
     }
     params.act_grad = routed.act_grad;
-    params.act_grad.args.split_padding_tiles = kernels::split_padding_tiles(/*dynamic_tiles=*/true);
     params.data_grad = routed.data_grad;
     using sched::WeightGradKind;
     auto weight = [&](WeightGradKind kind) -> kernels::GemmOperands& {

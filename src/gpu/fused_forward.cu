@@ -52,7 +52,6 @@ kernels::gemm::GroupedGemmArgs gemm_args(int64_t n, int64_t k, void* out0, void*
   args.out2 = static_cast<__nv_bfloat16*>(out2);
   args.activation = activation;
   args.error_flag = error_flag;
-  args.split_padding_tiles = kernels::split_padding_tiles(/*dynamic_tiles=*/true);
   return args;
 }
 
@@ -167,13 +166,13 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   maps.x_rows = kernels::activation_rows_map(p.x_rows, p.ring_rows, H);
   maps.act_rows = kernels::activation_rows_map(p.act_rows, p.ring_rows, I);
   maps.sym_x = kernels::activation_rows_map(p.local_sym<const void>(p.sym_x), p.token_capacity, H);
-  maps.gate = kernels::weight_rows_map(args.routed.gate.data, El, I, H, GemmConfig::kGateUpBoxRows);
-  maps.up = kernels::weight_rows_map(args.routed.up.data, El, I, H, GemmConfig::kGateUpBoxRows);
+  maps.gate = kernels::weight_rows_map(args.routed.gate.data, El, I, H, GemmConfig::BLOCK_N / 2);
+  maps.up = kernels::weight_rows_map(args.routed.up.data, El, I, H, GemmConfig::BLOCK_N / 2);
   maps.down = kernels::weight_rows_map(args.routed.down.data, El, H, I, GemmConfig::BLOCK_N);
   if (Is > 0) {
     maps.shared_act = kernels::activation_rows_map(p.shared_act, p.token_capacity, Is);
-    maps.shared_gate = kernels::weight_rows_map(args.shared.gate.data, 1, Is, H, GemmConfig::kGateUpBoxRows);
-    maps.shared_up = kernels::weight_rows_map(args.shared.up.data, 1, Is, H, GemmConfig::kGateUpBoxRows);
+    maps.shared_gate = kernels::weight_rows_map(args.shared.gate.data, 1, Is, H, GemmConfig::BLOCK_N / 2);
+    maps.shared_up = kernels::weight_rows_map(args.shared.up.data, 1, Is, H, GemmConfig::BLOCK_N / 2);
     maps.shared_down = kernels::weight_rows_map(args.shared.down.data, 1, H, Is, GemmConfig::BLOCK_N);
   } else {  // never read: the task list has no shared tiles
     maps.shared_act = maps.act_rows;

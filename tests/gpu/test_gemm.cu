@@ -728,54 +728,17 @@ TEST(GroupedGemm, PaddingRowsSkippedNarrowEdgeTile) {
   run_grouped_gemm(Problem{{256, 128, 0, 384}, 896, 1088, 256, 1, {200, 40, 0, 320}}, 3);
 }
 
-// POUNCE_SPLIT_TILES for one scope (the standalone launches split padding tiles only when it is 1).
-class ScopedSplitTiles {
- public:
-  explicit ScopedSplitTiles(bool on) { setenv("POUNCE_SPLIT_TILES", on ? "1" : "0", 1); }
-  ~ScopedSplitTiles() { unsetenv("POUNCE_SPLIT_TILES"); }
-  ScopedSplitTiles(const ScopedSplitTiles&) = delete;
-  ScopedSplitTiles& operator=(const ScopedSplitTiles&) = delete;
-};
-
-// Each case twice: whole tiles (the standalone default) and split.
-template <typename Run>
-void with_and_without_split_tiles(Run run) {
-  for (bool split : {false, true}) {
-    SCOPED_TRACE(split ? "split tiles" : "whole tiles");
-    const ScopedSplitTiles scope(split);
-    run();
-  }
+TEST(GroupedGateUp, GptOssDataRowsComputedWhole) {
+  SKIP_WITHOUT_GPU();
+  // Gate/up computes its padding rows (mma_columns): zero rows of A still give zeros there.
+  run_gate_up(Problem{{128, 0, 256}, 512, 192, 256, 1, {60, 0, 250}},
+              ActivationParams{pounce::kernels::kActivationGptOss, 1.0f, 1.702f});
 }
 
-// Split tiles (tile_part): 60 of 128 rows leave the tile's rows 64..127 without data, so (split) each warpgroup
-// multiplies one column half of rows 0..63 and writes zeros into the padding rows (poisoned before the run,
-// checked against the zero-padded reference); n = 192 ends in an edge tile of 64 columns, split too (its
-// second half has no columns: one warpgroup idle); 250 of 256 rows are whole tiles.
-TEST(GroupedGateUp, GptOssSplitTilesOnPaddingRows) {
+TEST(GroupedActivationBackward, DataRowsComputedWholeSliceOfGroups) {
   SKIP_WITHOUT_GPU();
-  with_and_without_split_tiles([] {
-    run_gate_up(Problem{{128, 0, 256}, 512, 192, 256, 1, {60, 0, 250}},
-                ActivationParams{pounce::kernels::kActivationGptOss, 1.0f, 1.702f});
-  });
-}
-
-// gpt-oss's width (2880 = 22.5 x 128 output columns) with split tiles in several column blocks.
-TEST(GroupedGateUp, GptOssWidthSplitAndEdgeTiles) {
-  SKIP_WITHOUT_GPU();
-  with_and_without_split_tiles([] {
-    run_gate_up(Problem{{128, 256, 128}, 512, 2880, 2880, 7, {64, 190, 1}},
-                ActivationParams{pounce::kernels::kActivationGptOss, 1.0f, 1.702f});
-  });
-}
-
-// Split tiles of the activation backward: 10 and 64 of 128 rows (each warpgroup 128 columns of rows 0..63),
-// n = 320 ends in a 64-column edge tile (split: the first warpgroup 64 columns, the second none).
-TEST(GroupedActivationBackward, SplitTilesOnPaddingRowsSliceOfGroups) {
-  SKIP_WITHOUT_GPU();
-  with_and_without_split_tiles([] {
-    run_activation_backward(Problem{{256, 128, 128, 256}, 768, 320, 256, 1, {256, 10, 64, 129}},
-                            ActivationParams{pounce::kernels::kActivationGptOss, 1.0f, 1.702f}, 1, 3);
-  });
+  run_activation_backward(Problem{{256, 128, 128, 256}, 768, 320, 256, 1, {256, 10, 64, 129}},
+                          ActivationParams{pounce::kernels::kActivationGptOss, 1.0f, 1.702f}, 1, 3);
 }
 
 TEST(GroupedGemmTransposed, PaddingRowsSkippedSliceOfGroups) {
