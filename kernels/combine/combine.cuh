@@ -65,10 +65,9 @@ __device__ __forceinline__ void push_rows(const layout::WorkspacePointers& ws, c
 
 // One thread per (token, 8 consecutive hidden columns), threads first_thread, + num_threads, ... `base`
 // [T][H] starts the accumulator (the shared expert's output or d_x; null = 0); `topk_weights` null means
-// weight 1 (backward's d_x sum: 1 * v == v). Slots go in groups of kSumGroup: every slot's ids, weights and
-// rows are loaded together, valid or not (all inside the [T][k] and [T][k][H] regions), so one memory
-// latency per group instead of the ids' and then the rows'; an invalid slot's values are never used. The
-// accumulation still runs in ascending j.
+// weight 1 (backward's d_x sum: 1 * v == v). Slots go in groups of kSumGroup: the group's ids first, then
+// every valid slot's load, so the loads of a group are in flight together; the accumulation still runs in
+// ascending j.
 template <int kSumGroup = 8>
 __device__ __forceinline__ void weighted_sum(const layout::WorkspacePointers& ws, int64_t sym_slots,
                                              const float* topk_weights, const void* base, void* out,
@@ -93,18 +92,23 @@ __device__ __forceinline__ void weighted_sum(const layout::WorkspacePointers& ws
     }
     for (int64_t group = 0; group < k; group += kSumGroup) {
       uint32_t valid = 0;  // bit j: slot group + j exists and names an expert in [0, E)
+#pragma unroll
+      for (int j = 0; j < kSumGroup; ++j) {
+        if (group + j < k) {
+          const int32_t expert = topk_idx[t * k + group + j];
+          if (expert >= 0 && expert < ws.num_experts) valid |= 1u << j;
+        }
+      }
       float w[kSumGroup];
       int4 packed[kSumGroup];
 #pragma unroll
       for (int j = 0; j < kSumGroup; ++j) {
-        w[j] = 1.0f;
+        w[j] = 0.0f;
         packed[j] = make_int4(0, 0, 0, 0);
-        if (group + j < k) {
+        if (valid & (1u << j)) {
           const int64_t slot = t * k + group + j;
-          const int32_t expert = topk_idx[slot];
-          if (topk_weights != nullptr) w[j] = topk_weights[slot];
+          w[j] = topk_weights != nullptr ? topk_weights[slot] : 1.0f;
           packed[j] = y_slots[slot * vectors_per_row + v];
-          if (expert >= 0 && expert < ws.num_experts) valid |= 1u << j;
         }
       }
 #pragma unroll
