@@ -388,9 +388,8 @@ TEST(CliBench, TelemetrySummaryAndRecordFields) {
   EXPECT_EQ(record["telemetry_samples"], 3);
 
   // Busy readings only: 300 W and 100 W are below half of 700 W.
-  const TelemetrySummary busy =
-      summarize({{1980.0, 100.0, 40.0}, {1500.0, 600.0, 60.0}, {1900.0, 300.0, 80.0}, {1700.0, 700.0, 75.0}},
-                0.5);
+  const TelemetrySummary busy = summarize(
+      {{1980.0, 100.0, 40.0}, {1500.0, 600.0, 60.0}, {1900.0, 300.0, 80.0}, {1700.0, 700.0, 75.0}}, 0.5);
   EXPECT_EQ(busy.samples, 2);
   EXPECT_DOUBLE_EQ(busy.sm_clock_mhz, 1600.0);
   EXPECT_DOUBLE_EQ(busy.power_w, 650.0);

@@ -24,7 +24,7 @@ struct TelemetrySample {
 };
 
 struct TelemetrySummary {
-  int samples = 0;             // readings summarized (timed runs, all GPUs; busy ones only if asked); 0 = none
+  int samples = 0;             // readings summarized (timed runs, all GPUs); 0 = none
   double sm_clock_mhz = 0.0;   // mean over the readings
   double power_w = 0.0;        // mean over the readings: per GPU
   double temperature_c = 0.0;  // the highest reading
