@@ -35,7 +35,7 @@ constexpr int kIters = 10;
 // d_x GEMM (K split over gate and up), weight gradient (n x k output per group, reduction over its rows).
 enum class Kind { kStore, kGateUp, kActivationBackward, kTransposed, kWeightGrad };
 constexpr int kVariants = 2;
-constexpr const char* kWeightGradLabels[kVariants] = {" pingpong", " cooperative"};
+constexpr const char* kScheduleLabels[kVariants] = {" pingpong", " cooperative"};
 
 struct Case {
   const char* name;
@@ -146,9 +146,13 @@ void run_case(const Case& c) {
   pounce::kernels::GroupedRows named = plain;
   named.group_rows = d_data_rows;
   const pounce::kernels::ActivationParams act{pounce::kernels::kActivationSwiGLU, 7.0f, 1.0f};
-  // Weight gradients: variant 0 the ping-pong tiles (the layer's), variant 1 the cooperative ones, both over
-  // the named rows when the case has data rows. Other kinds: variant 0 computes the padding, 1 names it.
-  const bool weight_grad = c.kind == Kind::kWeightGrad;
+  // Weight gradients and the activation backward: variant 0 the ping-pong tiles, variant 1 the cooperative
+  // ones (pounce::kernels::TileSchedule), both over the named rows when the case has data rows. Other kinds:
+  // variant 0 computes the padding, 1 names it.
+  const bool two_schedules = c.kind == Kind::kWeightGrad || c.kind == Kind::kActivationBackward;
+  const auto schedule = [](int variant) {
+    return variant == 0 ? pounce::kernels::TileSchedule::kPingPong : pounce::kernels::TileSchedule::kCooperative;
+  };
   auto launch = [&](const pounce::kernels::GroupedRows& grouped, int variant) {
     switch (c.kind) {
       case Kind::kGateUp:
@@ -159,7 +163,7 @@ void run_case(const Case& c) {
         break;
       case Kind::kActivationBackward:  // w0 as [groups, k, n]; o1, o2 hold g and u
         pounce::kernels::grouped_activation_backward(grouped, a, w0, o1, o2, o0, o0, c.n, c.n, c.k, act,
-                                                     nullptr);
+                                                     nullptr, schedule(variant));
         break;
       case Kind::kTransposed:  // K = 2 x half, gate rows then up rows
         pounce::kernels::grouped_gemm_transposed(grouped, a, w0, w1, c.k / 2, o0, c.n, c.k, nullptr);
@@ -167,16 +171,15 @@ void run_case(const Case& c) {
       case Kind::kWeightGrad:  // d[g] [n, k] bf16 = A^T B over the group's rows; w0 is the output
         pounce::kernels::grouped_weight_grad(
             grouped, a, c.n, c.n, o1, c.k, c.k, w0, pounce::kernels::WeightGradMode::kStoreBf16, nullptr,
-            variant == 0 ? pounce::kernels::WeightGradSchedule::kPingPong
-                         : pounce::kernels::WeightGradSchedule::kCooperative);
+            schedule(variant));
         break;
     }
   };
   cudaEvent_t start, stop;
   BENCH_CUDA(cudaEventCreate(&start));
   BENCH_CUDA(cudaEventCreate(&stop));
-  const int variants = weight_grad ? kVariants : c.data_rows.empty() ? 1 : 2;
-  const pounce::kernels::GroupedRows* launches[kVariants] = {weight_grad ? &named : &plain, &named};
+  const int variants = two_schedules ? kVariants : c.data_rows.empty() ? 1 : 2;
+  const pounce::kernels::GroupedRows* launches[kVariants] = {two_schedules ? &named : &plain, &named};
   for (int i = 0; i < kWarmup; ++i) {
     for (int v = 0; v < variants; ++v) launch(*launches[v], v);
   }
@@ -196,7 +199,7 @@ void run_case(const Case& c) {
   for (int v = 0; v < variants; ++v) {
     std::sort(ms[v].begin(), ms[v].end());
     const double median_ms = ms[v][kIters / 2];
-    const char* label = weight_grad ? kWeightGradLabels[v] : (v == 1 ? " named" : "");
+    const char* label = two_schedules ? kScheduleLabels[v] : (v == 1 ? " named" : "");
     const std::string name = std::string(c.name) + label;
     std::printf("| %-34s | %4d | %7lld | %5lld | %5lld | %8.3f | %6.1f | %s |\n", name.c_str(), num_groups,
                 static_cast<long long>(rows), static_cast<long long>(c.n), static_cast<long long>(c.k),

@@ -8,6 +8,7 @@
 #include "kernels/common/tma.h"
 #include "kernels/gemm/gemm_operands.h"
 #include "kernels/gemm/grouped_gemm_kernel.cuh"
+#include "kernels/gemm/activation_backward_pingpong.cuh"
 #include "kernels/gemm/weight_grad_pingpong.cuh"
 #include "pounce/error.h"
 
@@ -72,9 +73,10 @@ const DeviceInfo& device_info() {
     set_shared_limit<KernelKind::kDataGrad>();
     set_shared_limit<KernelKind::kDataGradActivation>();
     set_shared_limit<KernelKind::kWeightGrad>();
-    POUNCE_GEMM_CUDA_CHECK(cudaFuncSetAttribute(gemm::weight_grad_pingpong_kernel,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(gemm::kPingPongSharedBytes)));
+    for (const void* pingpong : {reinterpret_cast<const void*>(gemm::weight_grad_pingpong_kernel),
+                                 reinterpret_cast<const void*>(gemm::activation_backward_pingpong_kernel)})
+      POUNCE_GEMM_CUDA_CHECK(cudaFuncSetAttribute(pingpong, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  static_cast<int>(gemm::kPingPongSharedBytes)));
     infos[device] = info;
     ready[device].store(true, std::memory_order_release);
   }
@@ -181,6 +183,19 @@ void launch(GemmOperands operands, int64_t max_tiles, int max_ctas, cudaStream_t
   const int grid = static_cast<int>(std::min<int64_t>(ctas, max_tiles));
   gemm::grouped_gemm_kernel<kKind><<<grid, GemmConfig::kNumThreads, shared_bytes_of<kKind>(), stream>>>(
       operands.a, operands.b0, operands.b1, output_maps<kKind>(operands.args), operands.args);
+  POUNCE_GEMM_CUDA_CHECK(cudaGetLastError());
+}
+
+// A ping-pong kernel (weight_grad_pingpong.cuh, activation_backward_pingpong.cuh): A and B maps, the args.
+using PingPongKernel = void (*)(CUtensorMap, CUtensorMap, gemm::GroupedGemmArgs);
+void launch_pingpong(PingPongKernel kernel, GemmOperands operands, int64_t max_tiles, int max_ctas,
+                     cudaStream_t stream) {
+  const DeviceInfo& info = device_info();
+  operands.args.error_flag = info.error_flag;
+  const int ctas = max_ctas > 0 ? std::min(max_ctas, info.num_sms) : info.num_sms;
+  const int grid = static_cast<int>(std::min<int64_t>(ctas, max_tiles));
+  kernel<<<grid, GemmConfig::kNumThreads, gemm::kPingPongSharedBytes, stream>>>(operands.a, operands.b0,
+                                                                                 operands.args);
   POUNCE_GEMM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -338,12 +353,20 @@ void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate,
 
 void grouped_activation_backward(const GroupedRows& rows, const void* a, const void* w, const void* g,
                                  const void* u, void* d_g, void* d_u, int64_t d_ld, int64_t n, int64_t k,
-                                 const ActivationParams& activation, cudaStream_t stream) {
+                                 const ActivationParams& activation, cudaStream_t stream,
+                                 TileSchedule schedule) {
   const GemmOperands operands =
       activation_backward_operands(rows, a, w, g, u, d_g, d_u, d_ld, n, k, activation);
   if (rows.max_rows == 0) return;
-  launch<KernelKind::kDataGradActivation>(operands, row_tiles(rows, n, GemmConfig::BLOCK_N), rows.max_ctas,
-                                          stream);
+  if (schedule == TileSchedule::kCooperative) {
+    launch<KernelKind::kDataGradActivation>(operands, row_tiles(rows, n, GemmConfig::BLOCK_N), rows.max_ctas,
+                                            stream);
+    return;
+  }
+  POUNCE_CHECK(schedule == TileSchedule::kPingPong, "TileSchedule ", static_cast<int>(schedule),
+               " unknown; fix: kPingPong or kCooperative");
+  launch_pingpong(gemm::activation_backward_pingpong_kernel, operands,
+                  row_tiles(rows, n, gemm::PingPongConfig::TILE_N), rows.max_ctas, stream);
 }
 
 void grouped_gemm_transposed(const GroupedRows& rows, const void* a, const void* b0, const void* b1,
@@ -373,16 +396,9 @@ void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, i
   POUNCE_CHECK(schedule == WeightGradSchedule::kPingPong, "WeightGradSchedule ", static_cast<int>(schedule),
                " unknown; fix: kPingPong or kCooperative");
   using gemm::PingPongConfig;
-  const DeviceInfo& info = device_info();
-  gemm::GroupedGemmArgs args = operands.args;
-  args.error_flag = info.error_flag;
   const int64_t count = rows.num_groups * ((m + PingPongConfig::TILE_M - 1) / PingPongConfig::TILE_M) *
                         ((n + PingPongConfig::TILE_N - 1) / PingPongConfig::TILE_N);
-  const int ctas = rows.max_ctas > 0 ? std::min(rows.max_ctas, info.num_sms) : info.num_sms;
-  const int grid = static_cast<int>(std::min<int64_t>(ctas, count));
-  gemm::weight_grad_pingpong_kernel<<<grid, GemmConfig::kNumThreads, gemm::kPingPongSharedBytes, stream>>>(
-      operands.a, operands.b0, args);
-  POUNCE_GEMM_CUDA_CHECK(cudaGetLastError());
+  launch_pingpong(gemm::weight_grad_pingpong_kernel, operands, count, rows.max_ctas, stream);
 }
 
 int32_t grouped_gemm_error_code(bool reset) {

@@ -46,6 +46,13 @@ struct ActivationParams {
 inline constexpr int kActivationSwiGLU = 0;
 inline constexpr int kActivationGptOss = 1;
 
+// How the two consumer warpgroups of a GEMM kernel share the work (weight gradients and the activation
+// backward offer both; the values are the same bit for bit):
+//   kCooperative: both multiply halves of one 128 x 256 tile (as the fused kernels do), then both store.
+//   kPingPong: each owns whole 128 x 128 tiles, every other one, so one stores while the other multiplies
+//     (weight_grad_pingpong.cuh, activation_backward_pingpong.cuh); it loads a third more per FLOP.
+enum class TileSchedule { kPingPong, kCooperative };
+
 // C[rows, n] = A[rows, k] . B[group(row)][n, k]^T. Rows at or beyond group_row_offset[num_groups] are not
 // touched. n and k multiples of 64; a, b, c 16-byte aligned. Throws pounce::Error on invalid arguments.
 void grouped_gemm(const GroupedRows& rows, const void* a, const void* b, void* c, int64_t n, int64_t k,
@@ -60,9 +67,15 @@ void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate,
 // d_a = bf16(A[rows, k] . W[group(row)]) with W = [num_groups, k, n] (w_down [El, H, I] for the
 // down-projection backward), then d_g = bf16(act'_g(g, u) d_a), d_u = bf16(act'_u(g, u) d_a) with g, u the
 // forward's [rows, n] bf16 values. d_g and d_u rows are d_ld elements apart (d_ld >= n, multiple of 8).
+// `schedule`: TileSchedule's tiles (the same values bit for bit); activation_backward_schedule_for picks one.
+// TENTATIVE: ping-pong everywhere until measured.
+inline TileSchedule activation_backward_schedule_for(int64_t /*k*/) {
+  return TileSchedule::kPingPong;
+}
 void grouped_activation_backward(const GroupedRows& rows, const void* a, const void* w, const void* g,
                                  const void* u, void* d_g, void* d_u, int64_t d_ld, int64_t n, int64_t k,
-                                 const ActivationParams& activation, cudaStream_t stream);
+                                 const ActivationParams& activation, cudaStream_t stream,
+                                 TileSchedule schedule);
 
 // C[rows, n] = A[rows, k] . B[group(row)] where B's K rows [0, k_split) come from b0 [num_groups, k_split, n]
 // and [k_split, k) from b1 [num_groups, k - k_split, n] (d_x = [d_g, d_u] . [w_gate; w_up]); b1 may be null
@@ -76,14 +89,11 @@ enum class WeightGradMode : int32_t { kStoreF32 = 0, kAccumulateF32 = 1, kStoreB
 // accumulation in ascending row order (deterministic), written as fp32, added into fp32, or rounded to
 // bf16. A rows are a_ld elements apart, B rows b_ld. A group without rows gets zeros (or nothing added).
 // m and n multiples of 64; rows.group_row_offset multiples of 128.
-// `schedule`: how the two consumer warpgroups share the work; the sums are the same bit for bit.
-//   kCooperative: both multiply halves of one 128 x 256 tile (as the fused backward does), then both store.
-//   kPingPong: each owns whole 128 x 128 tiles, every other one, so one stores while the other multiplies
-//     (weight_grad_pingpong.cuh); it loads a third more per FLOP.
+// `schedule`: how the two consumer warpgroups share the work (TileSchedule); the sums are the same bit for bit.
 // Measured on H200 (bench/results/wgrad_pingpong_h200_2026-11-30.txt): with 512 rows per group (8 K blocks
 // per tile) ping-pong is 1-9 % faster on every shape; with 1024 it ranges from 3 % faster (qwen3) to 27 %
 // slower (deepseek's down projection), the stores no longer being the larger cost.
-enum class WeightGradSchedule { kPingPong, kCooperative };
+using WeightGradSchedule = TileSchedule;
 // The schedule for groups of about `rows_per_group` rows each: ping-pong up to 768, between the measured 512
 // (faster on every shape) and 1024 (slower on most, by more than it gains on the others). A proxy: the
 // crossover depends on the shape too.

@@ -326,13 +326,17 @@ __device__ __forceinline__ void store_gate_up_tile(const float (&acc)[128], cons
 // bf16 values the forward saved at the same (row, column). g and u of kActivationLoadBatch 32-column groups
 // are loaded before any is used: one memory latency per batch instead of one per group (the loads, not the
 // arithmetic, were most of this epilogue's time).
+// kAccs accumulators per thread hold the tile's 2 kAccs columns from col_block (128: the cooperative tiles,
+// 64: the ping-pong ones, activation_backward_pingpong.cuh).
 inline constexpr int kActivationLoadBatch = 2;
-__device__ __forceinline__ void store_activation_backward_tile(const float (&acc)[128],
+template <int kAccs>
+__device__ __forceinline__ void store_activation_backward_tile(const float (&acc)[kAccs],
                                                                const GroupedGemmArgs& args, int64_t row,
                                                                int32_t col_block, int lane) {
+  static_assert(kAccs % (16 * kActivationLoadBatch) == 0, "whole load batches of 32-column groups");
   const int64_t lane_col = col_block + 8 * (lane % 4);
 #pragma unroll
-  for (int m0 = 0; m0 < 8; m0 += kActivationLoadBatch) {
+  for (int m0 = 0; m0 < kAccs / 16; m0 += kActivationLoadBatch) {
     if (col_block + 32 * m0 >= args.n) break;
     uint4 g[kActivationLoadBatch][2], u[kActivationLoadBatch][2];
 #pragma unroll

@@ -57,6 +57,18 @@ inline constexpr size_t kPingPongSharedBytes = sizeof(PingPongStorage) + 1024;  
 static_assert(kPingPongSharedBytes <= 227 * 1024,
               "ping-pong stages exceed 227 KB per block; fix: fewer stages");
 
+// Thread 0: the ring's mbarriers. full[c][s]: the producer's one arrival + the stage bytes; empty[s]: the
+// owning warpgroup's 4 warps.
+__device__ __forceinline__ void init_pingpong_ring(PingPongStorage& ss) {
+#pragma unroll
+  for (int s = 0; s < PingPongConfig::kStages; ++s) {
+    ptx::mbarrier_init(&ss.full[0][s], 1);
+    ptx::mbarrier_init(&ss.full[1][s], 1);
+    ptx::mbarrier_init(&ss.empty[s], 4);
+  }
+  ptx::fence_mbarrier_init();
+}
+
 // The halves (64-row boxes of A) and the width of a tile below m and n: 2 or 1, TILE_N or 64 (m, n % 64 ==
 // 0).
 struct PingPongExtent {
@@ -244,13 +256,7 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
   if (threadIdx.x == 0) {
     ptx::prefetch_tensor_map(&tmap_a);
     ptx::prefetch_tensor_map(&tmap_b);
-#pragma unroll
-    for (int s = 0; s < PingPongConfig::kStages; ++s) {
-      ptx::mbarrier_init(&ss.full[0][s], 1);
-      ptx::mbarrier_init(&ss.full[1][s], 1);
-      ptx::mbarrier_init(&ss.empty[s], 4);  // the owning warpgroup's warps
-    }
-    ptx::fence_mbarrier_init();
+    init_pingpong_ring(ss);
   }
   __syncthreads();
   if (warpgroup_idx == 0) {

@@ -7,8 +7,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "kernels/gemm/grouped_gemm.h"
+#include "pounce/error.h"
 #include "src/gpu/gpu_state.h"
 
 namespace pounce::gpu {
@@ -23,7 +26,20 @@ struct MlpBackward {
   // The staged weight gradients' tiles, from the rows a group holds on average (the fused backward runs its
   // own cooperative tiles).
   kernels::WeightGradSchedule weight_grad_schedule;
+  // The staged activation backward's tiles (kernels::activation_backward_schedule_for, or
+  // POUNCE_ACTIVATION_BACKWARD_TILES = pingpong | cooperative to compare them).
+  kernels::TileSchedule activation_backward_schedule;
 };
+
+inline kernels::TileSchedule activation_backward_schedule(int64_t hidden) {
+  if (const char* value = std::getenv("POUNCE_ACTIVATION_BACKWARD_TILES")) {
+    const std::string choice(value);
+    POUNCE_CHECK(choice == "pingpong" || choice == "cooperative", "environment POUNCE_ACTIVATION_BACKWARD_TILES = '",
+                 choice, "' must be pingpong or cooperative (or unset for the heuristic)");
+    return choice == "pingpong" ? kernels::TileSchedule::kPingPong : kernels::TileSchedule::kCooperative;
+  }
+  return kernels::activation_backward_schedule_for(hidden);
+}
 
 // The tokens of this backward call (x's rows).
 inline int64_t num_tokens_of(const BackwardArgs& args) {
@@ -59,7 +75,8 @@ inline MlpBackward shared_mlp_backward(const layout::WorkspacePointers& p, const
           p.shared_dx,
           as_one_expert(args.inputs.shared),
           &args.d_shared,
-          kernels::weight_grad_schedule_for(num_tokens_of(args))};
+          kernels::weight_grad_schedule_for(num_tokens_of(args)),
+          activation_backward_schedule(p.hidden)};
 }
 
 // The routed experts on the received rows of the forward context (dy pulled by the reverse-combine).
@@ -78,7 +95,8 @@ inline MlpBackward routed_mlp_backward(const layout::WorkspacePointers& p, const
           &args.d_routed,
           // balanced routing: every rank's tokens times k spread over all experts
           kernels::weight_grad_schedule_for(num_tokens_of(args) * p.num_ranks * p.num_topk /
-                                            std::max<int64_t>(1, p.num_experts))};
+                                            std::max<int64_t>(1, p.num_experts)),
+          activation_backward_schedule(p.hidden)};
 }
 
 }  // namespace pounce::gpu

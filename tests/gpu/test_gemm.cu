@@ -354,36 +354,13 @@ std::vector<RefValue> row_times_matrix(const uint16_t* a_row, const uint16_t* b,
   return start;
 }
 
-// d_a = bf16(A . W[group]) with W [groups, k, n] (w_down read transposed), then d_g, d_u = bf16(act'(g, u)
-// d_a), stored as the layer does: one [rows, 2n] buffer, d_g in columns [0, n), d_u in [n, 2n) (d_ld = 2n).
-// Reference: fp32 d_a rounded to bf16, then the kernel's own host act' (activation.cuh). Where the GPU's d_a
-// rounds to the neighbouring bf16 value (other accumulation order), d_g and d_u move by one d_a ulp times
-// the derivative: the tolerance allows that on top of 2 ulps of the result.
-// `first_group` > 0 launches over a slice of the groups (offsets from group_row_offset + first_group, weights
-// from the first group's matrix, as the pipelined backward does); `max_ctas` caps the persistent grid.
-void run_activation_backward(const Problem& p, const ActivationParams& act, int first_group = 0,
-                             int max_ctas = 0) {
+// run_activation_backward's checks of one schedule's output.
+void check_activation_backward(const Problem& p, const ActivationParams& act, int first_group,
+                               const std::vector<uint16_t>& a, const std::vector<uint16_t>& w,
+                               const std::vector<uint16_t>& g, const std::vector<uint16_t>& u,
+                               const std::vector<uint16_t>& out) {
   const auto off = p.offsets();
-  const int num_groups = static_cast<int>(p.rows_per_group.size());
   const int64_t n = p.n, k = p.k, d_ld = 2 * n;
-  auto a = random_bf16(static_cast<size_t>(p.max_rows * k), 71, 1.0f);
-  zero_padding_rows(p, a, k);
-  const auto w = random_bf16(static_cast<size_t>(num_groups * k * n), 72, 0.25f);
-  const auto g = random_bf16(static_cast<size_t>(p.max_rows * n), 73, 2.0f);  // reaches a clamp at 1
-  const auto u = random_bf16(static_cast<size_t>(p.max_rows * n), 74, 2.0f);
-  const size_t out_count = static_cast<size_t>(p.max_rows * d_ld);
-  DeviceBuffer<uint16_t> d_a(a), d_w(w), d_g_in(g), d_u_in(u), d_out(out_count);
-  DeviceBuffer<int32_t> d_off(off), d_data_rows(p.data_rows);
-  ASSERT_TRUE(d_a.ptr && d_w.ptr && d_g_in.ptr && d_u_in.ptr && d_out.ptr && d_off.ptr && d_data_rows.ptr);
-  const GroupedRows rows = grouped_rows(p, d_off.ptr, d_data_rows.ptr, first_group, max_ctas);
-  const uint16_t* w_slice = d_w.ptr + first_group * k * n;
-  std::vector<uint16_t> out;
-  ASSERT_NO_FATAL_FAILURE(run_twice(
-      [&] {
-        pounce::kernels::grouped_activation_backward(rows, d_a.ptr, w_slice, d_g_in.ptr, d_u_in.ptr,
-                                                     d_out.ptr, d_out.ptr + n, d_ld, n, k, act, nullptr);
-      },
-      d_out, out_count, out));
   EXPECT_EQ(count_unpoisoned_tail(out, off.back(), d_ld), 0) << "rows beyond the valid range were written";
   EXPECT_EQ(count_unpoisoned_head(out, off[first_group], d_ld), 0) << "rows before the slice were written";
 
@@ -411,6 +388,52 @@ void run_activation_backward(const Problem& p, const ActivationParams& act, int 
   }
   EXPECT_EQ(failures, 0);
   if (std::isfinite(act.clamp_limit)) EXPECT_GT(clamped, 0) << "test data never reaches the clamp";
+}
+
+const char* schedule_name(pounce::kernels::TileSchedule schedule) {
+  return schedule == pounce::kernels::TileSchedule::kPingPong ? "ping-pong" : "cooperative";
+}
+
+// d_a = bf16(A . W[group]) with W [groups, k, n] (w_down read transposed), then d_g, d_u = bf16(act'(g, u)
+// d_a), stored as the layer does: one [rows, 2n] buffer, d_g in columns [0, n), d_u in [n, 2n) (d_ld = 2n).
+// Reference: fp32 d_a rounded to bf16, then the kernel's own host act' (activation.cuh). Where the GPU's d_a
+// rounds to the neighbouring bf16 value (other accumulation order), d_g and d_u move by one d_a ulp times
+// the derivative: the tolerance allows that on top of 2 ulps of the result.
+// `first_group` > 0 launches over a slice of the groups (offsets from group_row_offset + first_group, weights
+// from the first group's matrix, as the pipelined backward does); `max_ctas` caps the persistent grid. Both
+// tile schedules run, each checked against the reference, and must agree bit for bit.
+void run_activation_backward(const Problem& p, const ActivationParams& act, int first_group = 0,
+                             int max_ctas = 0) {
+  const auto off = p.offsets();
+  const int num_groups = static_cast<int>(p.rows_per_group.size());
+  const int64_t n = p.n, k = p.k, d_ld = 2 * n;
+  auto a = random_bf16(static_cast<size_t>(p.max_rows * k), 71, 1.0f);
+  zero_padding_rows(p, a, k);
+  const auto w = random_bf16(static_cast<size_t>(num_groups * k * n), 72, 0.25f);
+  const auto g = random_bf16(static_cast<size_t>(p.max_rows * n), 73, 2.0f);  // reaches a clamp at 1
+  const auto u = random_bf16(static_cast<size_t>(p.max_rows * n), 74, 2.0f);
+  const size_t out_count = static_cast<size_t>(p.max_rows * d_ld);
+  DeviceBuffer<uint16_t> d_a(a), d_w(w), d_g_in(g), d_u_in(u), d_out(out_count);
+  DeviceBuffer<int32_t> d_off(off), d_data_rows(p.data_rows);
+  ASSERT_TRUE(d_a.ptr && d_w.ptr && d_g_in.ptr && d_u_in.ptr && d_out.ptr && d_off.ptr && d_data_rows.ptr);
+  const GroupedRows rows = grouped_rows(p, d_off.ptr, d_data_rows.ptr, first_group, max_ctas);
+  const uint16_t* w_slice = d_w.ptr + first_group * k * n;
+  using pounce::kernels::TileSchedule;
+  const TileSchedule schedules[] = {TileSchedule::kPingPong, TileSchedule::kCooperative};
+  std::vector<uint16_t> outs[2];
+  for (int s = 0; s < 2; ++s) {
+    SCOPED_TRACE(schedule_name(schedules[s]));
+    ASSERT_NO_FATAL_FAILURE(run_twice(
+        [&] {
+          pounce::kernels::grouped_activation_backward(rows, d_a.ptr, w_slice, d_g_in.ptr, d_u_in.ptr,
+                                                       d_out.ptr, d_out.ptr + n, d_ld, n, k, act, nullptr,
+                                                       schedules[s]);
+        },
+        d_out, out_count, outs[s]));
+    check_activation_backward(p, act, first_group, a, w, g, u, outs[s]);
+  }
+  EXPECT_EQ(std::memcmp(outs[0].data(), outs[1].data(), out_count * sizeof(uint16_t)), 0)
+      << "the ping-pong and cooperative tiles differ";
 }
 
 // C[rows, n] = A[rows, k] . [B0; B1][group]: K rows [0, k_split) from b0 [groups, k_split, n], the rest from
@@ -462,9 +485,6 @@ struct WeightGradRuns {
   std::vector<float> store32, accumulated;
   std::vector<uint16_t> store16;
 };
-const char* schedule_name(pounce::kernels::WeightGradSchedule schedule) {
-  return schedule == pounce::kernels::WeightGradSchedule::kPingPong ? "ping-pong" : "cooperative";
-}
 bool same_bits(const WeightGradRuns& x, const WeightGradRuns& y) {
   return std::memcmp(x.store32.data(), y.store32.data(), x.store32.size() * 4) == 0 &&
          std::memcmp(x.store16.data(), y.store16.data(), x.store16.size() * 2) == 0 &&
