@@ -151,7 +151,8 @@ void run_case(const Case& c) {
   // variant 0 computes the padding, 1 names it.
   const bool two_schedules = c.kind == Kind::kWeightGrad || c.kind == Kind::kActivationBackward;
   const auto schedule = [](int variant) {
-    return variant == 0 ? pounce::kernels::TileSchedule::kPingPong : pounce::kernels::TileSchedule::kCooperative;
+    return variant == 0 ? pounce::kernels::TileSchedule::kPingPong
+                        : pounce::kernels::TileSchedule::kCooperative;
   };
   auto launch = [&](const pounce::kernels::GroupedRows& grouped, int variant) {
     switch (c.kind) {
@@ -169,9 +170,9 @@ void run_case(const Case& c) {
         pounce::kernels::grouped_gemm_transposed(grouped, a, w0, w1, c.k / 2, o0, c.n, c.k, nullptr);
         break;
       case Kind::kWeightGrad:  // d[g] [n, k] bf16 = A^T B over the group's rows; w0 is the output
-        pounce::kernels::grouped_weight_grad(
-            grouped, a, c.n, c.n, o1, c.k, c.k, w0, pounce::kernels::WeightGradMode::kStoreBf16, nullptr,
-            schedule(variant));
+        pounce::kernels::grouped_weight_grad(grouped, a, c.n, c.n, o1, c.k, c.k, w0,
+                                             pounce::kernels::WeightGradMode::kStoreBf16, nullptr,
+                                             schedule(variant));
         break;
     }
   };

@@ -32,13 +32,15 @@ namespace pounce::kernels::gemm {
 
 using ActivationBackwardScheduler = TileScheduler<PingPongConfig::TILE_M, GemmConfig::kMChunk>;
 
-__device__ __forceinline__ ActivationBackwardScheduler activation_backward_scheduler(const GroupedGemmArgs& args) {
+__device__ __forceinline__ ActivationBackwardScheduler
+activation_backward_scheduler(const GroupedGemmArgs& args) {
   return ActivationBackwardScheduler(args.group_row_offset, args.num_groups, args.max_m_blocks,
                                      (args.n + PingPongConfig::TILE_N - 1) / PingPongConfig::TILE_N);
 }
 
 // Columns of a tile below n: TILE_N, or 64 at the edge (n % 64 == 0).
-__device__ __forceinline__ int32_t activation_backward_columns(const GroupedGemmArgs& args, const Tile& tile) {
+__device__ __forceinline__ int32_t activation_backward_columns(const GroupedGemmArgs& args,
+                                                               const Tile& tile) {
   return args.n - tile.n_block * PingPongConfig::TILE_N >= PingPongConfig::TILE_N ? PingPongConfig::TILE_N
                                                                                   : GemmConfig::kBoxMN;
 }
@@ -110,9 +112,9 @@ template <int kCols>
 __device__ __forceinline__ bool multiply_activation_backward_tile(PingPongStorage& ss,
                                                                   StageRing<PingPongConfig::kStages>& ring,
                                                                   uint32_t& full_phases,
-                                                                  const GroupedGemmArgs& args, int consumer_idx,
-                                                                  int32_t num_k_blocks, float (&acc0)[64],
-                                                                  float (&acc1)[64]) {
+                                                                  const GroupedGemmArgs& args,
+                                                                  int consumer_idx, int32_t num_k_blocks,
+                                                                  float (&acc0)[64], float (&acc1)[64]) {
   using C = GemmConfig;
   uint32_t prev_stage = 0;
   for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
@@ -162,11 +164,10 @@ __device__ __forceinline__ void consume_activation_backward(PingPongStorage& ss,
       continue;
     }
     const bool whole = activation_backward_columns(args, tile) == PingPongConfig::TILE_N;
-    const bool multiplied =
-        whole ? multiply_activation_backward_tile<PingPongConfig::TILE_N>(ss, ring, full_phases, args,
-                                                                          consumer_idx, num_k_blocks, acc0, acc1)
-              : multiply_activation_backward_tile<GemmConfig::kBoxMN>(ss, ring, full_phases, args, consumer_idx,
-                                                                      num_k_blocks, acc0, acc1);
+    const bool multiplied = whole ? multiply_activation_backward_tile<PingPongConfig::TILE_N>(
+                                        ss, ring, full_phases, args, consumer_idx, num_k_blocks, acc0, acc1)
+                                  : multiply_activation_backward_tile<GemmConfig::kBoxMN>(
+                                        ss, ring, full_phases, args, consumer_idx, num_k_blocks, acc0, acc1);
     if (!multiplied) return;
     const int64_t row0 =
         static_cast<int64_t>(tile.m_block) * PingPongConfig::TILE_M + warp_in_group * 16 + lane / 4;
@@ -181,7 +182,8 @@ __device__ __forceinline__ void consume_activation_backward(PingPongStorage& ss,
 // ---------------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     activation_backward_pingpong_kernel(const __grid_constant__ CUtensorMap tmap_a,
-                                        const __grid_constant__ CUtensorMap tmap_b, const GroupedGemmArgs args) {
+                                        const __grid_constant__ CUtensorMap tmap_b,
+                                        const GroupedGemmArgs args) {
   using C = GemmConfig;
   extern __shared__ uint8_t smem_raw[];
   const uintptr_t smem_base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);

@@ -195,7 +195,7 @@ void launch_pingpong(PingPongKernel kernel, GemmOperands operands, int64_t max_t
   const int ctas = max_ctas > 0 ? std::min(max_ctas, info.num_sms) : info.num_sms;
   const int grid = static_cast<int>(std::min<int64_t>(ctas, max_tiles));
   kernel<<<grid, GemmConfig::kNumThreads, gemm::kPingPongSharedBytes, stream>>>(operands.a, operands.b0,
-                                                                                 operands.args);
+                                                                                operands.args);
   POUNCE_GEMM_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -26,19 +26,19 @@ struct MlpBackward {
   // The staged weight gradients' tiles, from the rows a group holds on average (the fused backward runs its
   // own cooperative tiles).
   kernels::WeightGradSchedule weight_grad_schedule;
-  // The staged activation backward's tiles (kernels::activation_backward_schedule_for, or
-  // POUNCE_ACTIVATION_BACKWARD_TILES = pingpong | cooperative to compare them).
-  kernels::TileSchedule activation_backward_schedule;
 };
 
-inline kernels::TileSchedule activation_backward_schedule(int64_t hidden) {
+// The staged activation backward's tiles: kernels::activation_backward_schedule_for, or
+// POUNCE_ACTIVATION_BACKWARD_TILES = pingpong | cooperative to compare them.
+inline kernels::TileSchedule activation_backward_schedule(const kernels::ActivationParams& activation) {
   if (const char* value = std::getenv("POUNCE_ACTIVATION_BACKWARD_TILES")) {
     const std::string choice(value);
-    POUNCE_CHECK(choice == "pingpong" || choice == "cooperative", "environment POUNCE_ACTIVATION_BACKWARD_TILES = '",
-                 choice, "' must be pingpong or cooperative (or unset for the heuristic)");
+    POUNCE_CHECK(choice == "pingpong" || choice == "cooperative",
+                 "environment POUNCE_ACTIVATION_BACKWARD_TILES = '", choice,
+                 "' must be pingpong or cooperative (or unset for the heuristic)");
     return choice == "pingpong" ? kernels::TileSchedule::kPingPong : kernels::TileSchedule::kCooperative;
   }
-  return kernels::activation_backward_schedule_for(hidden);
+  return kernels::activation_backward_schedule_for(activation);
 }
 
 // The tokens of this backward call (x's rows).
@@ -75,8 +75,7 @@ inline MlpBackward shared_mlp_backward(const layout::WorkspacePointers& p, const
           p.shared_dx,
           as_one_expert(args.inputs.shared),
           &args.d_shared,
-          kernels::weight_grad_schedule_for(num_tokens_of(args)),
-          activation_backward_schedule(p.hidden)};
+          kernels::weight_grad_schedule_for(num_tokens_of(args))};
 }
 
 // The routed experts on the received rows of the forward context (dy pulled by the reverse-combine).
@@ -95,8 +94,7 @@ inline MlpBackward routed_mlp_backward(const layout::WorkspacePointers& p, const
           &args.d_routed,
           // balanced routing: every rank's tokens times k spread over all experts
           kernels::weight_grad_schedule_for(num_tokens_of(args) * p.num_ranks * p.num_topk /
-                                            std::max<int64_t>(1, p.num_experts)),
-          activation_backward_schedule(p.hidden)};
+                                            std::max<int64_t>(1, p.num_experts))};
 }
 
 }  // namespace pounce::gpu

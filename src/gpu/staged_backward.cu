@@ -43,7 +43,7 @@ void launch_mlp_data_grads(const MlpBackward& m, int first_group, int num_groups
   void* d_u = static_cast<char*>(m.d_gu) + I * 2;
   kernels::grouped_activation_backward(rows, m.dy, expert_slice(m.weights.down, first_group), m.g, m.u,
                                        m.d_gu, d_u, 2 * I, I, H, activation, stream,
-                                       m.activation_backward_schedule);
+                                       activation_backward_schedule(activation));
   kernels::grouped_gemm_transposed(rows, m.d_gu, expert_slice(m.weights.gate, first_group),
                                    expert_slice(m.weights.up, first_group), I, m.dx, H, 2 * I, stream);
 }
