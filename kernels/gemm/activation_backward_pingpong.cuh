@@ -106,8 +106,8 @@ __device__ __forceinline__ void issue_activation_backward_k_block(float (&acc0)[
   }
 }
 
-// Every K block of this warpgroup's tile, one wgmma group in flight while the next is issued; `full_phases`
-// bit s is the parity of this consumer's next fill of stage s. False when a stage never filled.
+// Every K block of this warpgroup's tile at width kCols (multiply_pingpong_k_blocks). False when a stage
+// never filled.
 template <int kCols>
 __device__ __forceinline__ bool multiply_activation_backward_tile(PingPongStorage& ss,
                                                                   StageRing<PingPongConfig::kStages>& ring,
@@ -115,36 +115,11 @@ __device__ __forceinline__ bool multiply_activation_backward_tile(PingPongStorag
                                                                   const GroupedGemmArgs& args,
                                                                   int consumer_idx, int32_t num_k_blocks,
                                                                   float (&acc0)[64], float (&acc1)[64]) {
-  using C = GemmConfig;
-  uint32_t prev_stage = 0;
-  for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
-    const uint32_t parity = (full_phases >> ring.stage) & 1u;
-    full_phases ^= 1u << ring.stage;
-    if (!ptx::mbarrier_wait_parity_bounded(&ss.full[consumer_idx][ring.stage], parity, C::kWaitTimeoutNs)) {
-      ptx::wgmma_wait_group<0>();
-      record_error(args.error_flag, WaitError::kFullStage);
-      return false;
-    }
-    fence_accumulators(acc0);
-    fence_accumulators(acc1);
-    ptx::wgmma_fence();
-    issue_activation_backward_k_block<kCols>(acc0, acc1, ptx::smem_addr(ss.stages[ring.stage].a),
-                                             ptx::smem_addr(ss.stages[ring.stage].b), kb > 0);
-    ptx::wgmma_commit_group();
-    fence_accumulators(acc0);
-    fence_accumulators(acc1);
-    if (kb > 0) {
-      ptx::wgmma_wait_group<1>();
-      if (threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&ss.empty[prev_stage]);
-    }
-    prev_stage = ring.stage;
-    ring.advance();
-  }
-  ptx::wgmma_wait_group<0>();
-  fence_accumulators(acc0);
-  fence_accumulators(acc1);
-  if (num_k_blocks > 0 && threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&ss.empty[prev_stage]);
-  return true;
+  return multiply_pingpong_k_blocks(
+      ss, ring, full_phases, args, consumer_idx, 0, num_k_blocks, acc0, acc1,
+      [](float(&a0)[64], float(&a1)[64], uint32_t a_base, uint32_t b_base, bool accumulate) {
+        issue_activation_backward_k_block<kCols>(a0, a1, a_base, b_base, accumulate);
+      });
 }
 
 // Consumer `consumer_idx` (0 or 1): the CTA's tiles at positions consumer_idx, consumer_idx + 2, ...
@@ -184,26 +159,15 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     activation_backward_pingpong_kernel(const __grid_constant__ CUtensorMap tmap_a,
                                         const __grid_constant__ CUtensorMap tmap_b,
                                         const GroupedGemmArgs args) {
-  using C = GemmConfig;
-  extern __shared__ uint8_t smem_raw[];
-  const uintptr_t smem_base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
-  PingPongStorage& ss = *reinterpret_cast<PingPongStorage*>(smem_base);
-  const int warpgroup_idx = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    ptx::prefetch_tensor_map(&tmap_a);
-    ptx::prefetch_tensor_map(&tmap_b);
-    init_pingpong_ring(ss);
-    if (blockIdx.x == 0 && args.group_row_offset[args.num_groups] > args.max_m_blocks * C::BLOCK_M)
-      record_error(args.error_flag, WaitError::kRowsExceedCapacity);
-  }
-  __syncthreads();
-  if (warpgroup_idx == 0) {
-    ptx::setmaxnreg_dec<C::kProducerRegs>();
-    if (threadIdx.x == 0) produce_activation_backward(ss, tmap_a, tmap_b, args);
-  } else {
-    ptx::setmaxnreg_inc<C::kConsumerRegs>();
-    consume_activation_backward(ss, args, warpgroup_idx - 1);
-  }
+  run_pingpong(
+      tmap_a, tmap_b,
+      [&](PingPongStorage& ss) {
+        if (blockIdx.x == 0 &&
+            args.group_row_offset[args.num_groups] > args.max_m_blocks * GemmConfig::BLOCK_M)
+          record_error(args.error_flag, WaitError::kRowsExceedCapacity);
+        produce_activation_backward(ss, tmap_a, tmap_b, args);
+      },
+      [&](PingPongStorage& ss, int consumer_idx) { consume_activation_backward(ss, args, consumer_idx); });
 }
 
 }  // namespace pounce::kernels::gemm

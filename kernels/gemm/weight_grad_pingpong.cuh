@@ -149,13 +149,16 @@ __device__ __forceinline__ void issue_pingpong_k_block(float (&acc0)[64], float 
 }
 
 // K blocks [kb_begin, kb_end) of this warpgroup's tile, one wgmma group in flight while the next is issued;
-// `full_phases` bit s is the parity of this consumer's next fill of stage s. False when a stage never filled.
-template <int kHalves, int kCols>
-__device__ __forceinline__ bool multiply_pingpong_tile(PingPongStorage& ss,
-                                                       StageRing<PingPongConfig::kStages>& ring,
-                                                       uint32_t& full_phases, const GroupedGemmArgs& args,
-                                                       int consumer_idx, int32_t kb_begin, int32_t kb_end,
-                                                       float (&acc0)[64], float (&acc1)[64]) {
+// `issue(acc0, acc1, a_base, b_base, accumulate)` issues one K block's wgmmas from a stage. `full_phases` bit
+// s is the parity of this consumer's next fill of stage s. False when a stage never filled. Shared by both
+// ping-pong kernels (this file, activation_backward_pingpong.cuh).
+template <typename IssueKBlock>
+__device__ __forceinline__ bool multiply_pingpong_k_blocks(PingPongStorage& ss,
+                                                           StageRing<PingPongConfig::kStages>& ring,
+                                                           uint32_t& full_phases, const GroupedGemmArgs& args,
+                                                           int consumer_idx, int32_t kb_begin, int32_t kb_end,
+                                                           float (&acc0)[64], float (&acc1)[64],
+                                                           IssueKBlock issue) {
   using C = GemmConfig;
   uint32_t prev_stage = 0;
   for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
@@ -171,7 +174,7 @@ __device__ __forceinline__ bool multiply_pingpong_tile(PingPongStorage& ss,
     fence_accumulators(acc0);
     fence_accumulators(acc1);
     ptx::wgmma_fence();
-    issue_pingpong_k_block<kHalves, kCols>(acc0, acc1, a_base, b_base, kb > kb_begin);
+    issue(acc0, acc1, a_base, b_base, kb > kb_begin);
     ptx::wgmma_commit_group();
     fence_accumulators(acc0);
     fence_accumulators(acc1);
@@ -187,6 +190,19 @@ __device__ __forceinline__ bool multiply_pingpong_tile(PingPongStorage& ss,
   fence_accumulators(acc1);
   if (kb_end > kb_begin && threadIdx.x % 32 == 0) ptx::mbarrier_arrive(&ss.empty[prev_stage]);
   return true;
+}
+
+template <int kHalves, int kCols>
+__device__ __forceinline__ bool multiply_pingpong_tile(PingPongStorage& ss,
+                                                       StageRing<PingPongConfig::kStages>& ring,
+                                                       uint32_t& full_phases, const GroupedGemmArgs& args,
+                                                       int consumer_idx, int32_t kb_begin, int32_t kb_end,
+                                                       float (&acc0)[64], float (&acc1)[64]) {
+  return multiply_pingpong_k_blocks(
+      ss, ring, full_phases, args, consumer_idx, kb_begin, kb_end, acc0, acc1,
+      [](float(&a0)[64], float(&a1)[64], uint32_t a_base, uint32_t b_base, bool accumulate) {
+        issue_pingpong_k_block<kHalves, kCols>(a0, a1, a_base, b_base, accumulate);
+      });
 }
 
 __device__ __forceinline__ bool multiply_pingpong_tile(PingPongStorage& ss,
@@ -243,11 +259,13 @@ __device__ __forceinline__ void consume_weight_grads(PingPongStorage& ss, const 
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Kernel
+// Kernels
 // ---------------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
-    weight_grad_pingpong_kernel(const __grid_constant__ CUtensorMap tmap_a,
-                                const __grid_constant__ CUtensorMap tmap_b, const GroupedGemmArgs args) {
+// The body of both ping-pong kernels: the ring in dynamic shared memory, its barriers, then the roles: thread
+// 0 runs `produce(ss)`, consumer warpgroup c runs `consume(ss, c)`.
+template <typename Produce, typename Consume>
+__device__ __forceinline__ void run_pingpong(const CUtensorMap& tmap_a, const CUtensorMap& tmap_b,
+                                             Produce produce, Consume consume) {
   using C = GemmConfig;
   extern __shared__ uint8_t smem_raw[];
   const uintptr_t smem_base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
@@ -261,11 +279,19 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
   __syncthreads();
   if (warpgroup_idx == 0) {
     ptx::setmaxnreg_dec<C::kProducerRegs>();
-    if (threadIdx.x == 0) produce_weight_grads(ss, tmap_a, tmap_b, args);
+    if (threadIdx.x == 0) produce(ss);
   } else {
     ptx::setmaxnreg_inc<C::kConsumerRegs>();
-    consume_weight_grads(ss, args, warpgroup_idx - 1);
+    consume(ss, warpgroup_idx - 1);
   }
+}
+
+__global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
+    weight_grad_pingpong_kernel(const __grid_constant__ CUtensorMap tmap_a,
+                                const __grid_constant__ CUtensorMap tmap_b, const GroupedGemmArgs args) {
+  run_pingpong(
+      tmap_a, tmap_b, [&](PingPongStorage& ss) { produce_weight_grads(ss, tmap_a, tmap_b, args); },
+      [&](PingPongStorage& ss, int consumer_idx) { consume_weight_grads(ss, args, consumer_idx); });
 }
 
 }  // namespace pounce::kernels::gemm
