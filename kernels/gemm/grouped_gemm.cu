@@ -378,7 +378,7 @@ void grouped_gemm_transposed(const GroupedRows& rows, const void* a, const void*
 
 void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, int64_t m, const void* b,
                          int64_t b_ld, int64_t n, void* d, WeightGradMode mode, cudaStream_t stream,
-                         WeightGradSchedule schedule) {
+                         TileSchedule schedule) {
   const GemmOperands operands = weight_grad_operands(rows, a, a_ld, m, b, b_ld, n, d, mode);
   // Capacity zero still owes zero gradients to every group: write them without a GEMM.
   if (rows.max_rows == 0) {
@@ -387,13 +387,13 @@ void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, i
       POUNCE_GEMM_CUDA_CHECK(cudaMemsetAsync(d, 0, element * rows.num_groups * m * n, stream));
     return;
   }
-  if (schedule == WeightGradSchedule::kCooperative) {
+  if (schedule == TileSchedule::kCooperative) {
     const int64_t count = rows.num_groups * ((m + GemmConfig::BLOCK_M - 1) / GemmConfig::BLOCK_M) *
                           ((n + GemmConfig::BLOCK_N - 1) / GemmConfig::BLOCK_N);
     launch<KernelKind::kWeightGrad>(operands, count, rows.max_ctas, stream);
     return;
   }
-  POUNCE_CHECK(schedule == WeightGradSchedule::kPingPong, "WeightGradSchedule ", static_cast<int>(schedule),
+  POUNCE_CHECK(schedule == TileSchedule::kPingPong, "TileSchedule ", static_cast<int>(schedule),
                " unknown; fix: kPingPong or kCooperative");
   using gemm::PingPongConfig;
   const int64_t count = rows.num_groups * ((m + PingPongConfig::TILE_M - 1) / PingPongConfig::TILE_M) *

@@ -98,16 +98,15 @@ enum class WeightGradMode : int32_t { kStoreF32 = 0, kAccumulateF32 = 1, kStoreB
 // bit. Measured on H200 (bench/results/wgrad_pingpong_h200_2026-11-30.txt): with 512 rows per group (8 K
 // blocks per tile) ping-pong is 1-9 % faster on every shape; with 1024 it ranges from 3 % faster (qwen3) to
 // 27 % slower (deepseek's down projection), the stores no longer being the larger cost.
-using WeightGradSchedule = TileSchedule;
 // The schedule for groups of about `rows_per_group` rows each: ping-pong up to 768, between the measured 512
 // (faster on every shape) and 1024 (slower on most, by more than it gains on the others). A proxy: the
 // crossover depends on the shape too.
-inline WeightGradSchedule weight_grad_schedule_for(int64_t rows_per_group) {
-  return rows_per_group <= 768 ? WeightGradSchedule::kPingPong : WeightGradSchedule::kCooperative;
+inline TileSchedule weight_grad_schedule_for(int64_t rows_per_group) {
+  return rows_per_group <= 768 ? TileSchedule::kPingPong : TileSchedule::kCooperative;
 }
 void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, int64_t m, const void* b,
                          int64_t b_ld, int64_t n, void* d, WeightGradMode mode, cudaStream_t stream,
-                         WeightGradSchedule schedule = WeightGradSchedule::kCooperative);
+                         TileSchedule schedule = TileSchedule::kCooperative);
 
 // Diagnostics: the first bounded-wait timeout any grouped GEMM kernel recorded on the current device
 // (0 = none; 1 = consumer waited too long for a filled stage, 2 = producer waited too long for a free

@@ -1,5 +1,5 @@
 // Weight gradients with each consumer warpgroup on tiles of its own (sm_90a): the ping-pong tiles of
-// grouped_weight_grad (grouped_gemm.h, WeightGradSchedule). Same sums as the cooperative kernel
+// grouped_weight_grad (grouped_gemm.h, TileSchedule). Same sums as the cooperative kernel
 // (grouped_gemm_kernel.cuh, kWeightGrad), bit for bit: the same K steps in the same order per output. Each
 // warpgroup owns whole tiles of 128 x 128 outputs (two m64n128 wgmmas per K step, one per 64-row half), every
 // other tile of its CTA, so one warpgroup's epilogue runs while the other multiplies.

@@ -25,7 +25,7 @@ struct MlpBackward {
   const ExpertWeights* grads;
   // The staged weight gradients' tiles, from the rows a group holds on average (the fused backward runs its
   // own cooperative tiles).
-  kernels::WeightGradSchedule weight_grad_schedule;
+  kernels::TileSchedule weight_grad_schedule;
 };
 
 // The staged activation backward's tiles: kernels::activation_backward_schedule_for, or

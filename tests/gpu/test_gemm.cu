@@ -490,10 +490,10 @@ bool same_bits(const WeightGradRuns& x, const WeightGradRuns& y) {
          std::memcmp(x.store16.data(), y.store16.data(), x.store16.size() * 2) == 0 &&
          std::memcmp(x.accumulated.data(), y.accumulated.data(), x.accumulated.size() * 4) == 0;
 }
-void run_weight_grad_modes(
-    const GroupedRows& rows, const uint16_t* a, int64_t a_ld, int64_t m, const uint16_t* b, int64_t b_ld,
-    int64_t n, const std::vector<float>& prefill, WeightGradRuns& runs,
-    pounce::kernels::WeightGradSchedule tiles = pounce::kernels::WeightGradSchedule::kPingPong) {
+void run_weight_grad_modes(const GroupedRows& rows, const uint16_t* a, int64_t a_ld, int64_t m,
+                           const uint16_t* b, int64_t b_ld, int64_t n, const std::vector<float>& prefill,
+                           WeightGradRuns& runs,
+                           pounce::kernels::TileSchedule tiles = pounce::kernels::TileSchedule::kPingPong) {
   using pounce::kernels::WeightGradMode;
   DeviceBuffer<uint16_t> d16(prefill.size());
   DeviceBuffer<float> d32(prefill.size());
@@ -552,13 +552,13 @@ void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_row
     WeightGradRuns cooperative;
     ASSERT_NO_FATAL_FAILURE(run_weight_grad_modes(
         grouped_rows(problem, d_off.ptr, d_data_rows.ptr, 0, max_ctas), d_a.ptr + m, a_ld, m, d_b.ptr, b_ld,
-        n, prefill, cooperative, pounce::kernels::WeightGradSchedule::kCooperative));
+        n, prefill, cooperative, pounce::kernels::TileSchedule::kCooperative));
     EXPECT_TRUE(same_bits(runs, cooperative)) << "ping-pong and cooperative tiles summed differently";
   }
   if (!data_rows.empty()) {
-    using pounce::kernels::WeightGradSchedule;
-    const WeightGradSchedule schedules[] = {WeightGradSchedule::kPingPong, WeightGradSchedule::kCooperative};
-    for (const WeightGradSchedule schedule : schedules) {
+    using pounce::kernels::TileSchedule;
+    const TileSchedule schedules[] = {TileSchedule::kPingPong, TileSchedule::kCooperative};
+    for (const TileSchedule schedule : schedules) {
       WeightGradRuns every_row;
       ASSERT_NO_FATAL_FAILURE(run_weight_grad_modes({max_rows, d_off.ptr, num_groups, max_ctas}, d_a.ptr + m,
                                                     a_ld, m, d_b.ptr, b_ld, n, prefill, every_row, schedule));
@@ -576,7 +576,7 @@ void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_row
     }
     ASSERT_GT(nan_rows, 0) << "the case has no K block past its data";
     upload(d_b, b_nan);
-    for (const WeightGradSchedule schedule : schedules) {
+    for (const TileSchedule schedule : schedules) {
       WeightGradRuns skipped_nan;
       ASSERT_NO_FATAL_FAILURE(
           run_weight_grad_modes(grouped_rows(problem, d_off.ptr, d_data_rows.ptr, 0, max_ctas), d_a.ptr + m,
