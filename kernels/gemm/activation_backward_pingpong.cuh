@@ -63,17 +63,13 @@ __device__ __forceinline__ void produce_activation_backward(PingPongStorage& ss,
     const int32_t b_boxes = activation_backward_columns(args, tile) / C::kBoxMN;
     const uint32_t bytes = C::kStageBytesA + static_cast<uint32_t>(b_boxes) * C::kBoxBytes;
     for (int32_t kb = 0; kb < num_k_blocks; ++kb) {
-      if (!ptx::mbarrier_wait_parity_bounded(&ss.empty[ring.stage], ring.phase ^ 1, C::kWaitTimeoutNs)) {
-        record_error(args.error_flag, WaitError::kEmptyStage);
-        return;
-      }
-      PingPongStorage::Stage& st = ss.stages[ring.stage];
-      uint64_t* full = &ss.full[owner][ring.stage];
-      ptx::mbarrier_arrive_expect_tx(full, bytes);
+      uint64_t* full = nullptr;
+      PingPongStorage::Stage* st = claim_pingpong_stage(ss, ring, owner, bytes, args, full);
+      if (st == nullptr) return;
       const int32_t k0 = kb * C::BLOCK_K;
-      ptx::tma_load_2d(st.a, &tmap_a, full, k0, row0);  // 128 rows x 64 K, K-major
+      ptx::tma_load_2d(st->a, &tmap_a, full, k0, row0);  // 128 rows x 64 K, K-major
       for (int32_t box = 0; box < b_boxes; ++box)
-        ptx::tma_load_3d(st.b + box * C::kBoxMN * C::BLOCK_K, &tmap_b, full, col0 + box * C::kBoxMN, k0,
+        ptx::tma_load_3d(st->b + box * C::kBoxMN * C::BLOCK_K, &tmap_b, full, col0 + box * C::kBoxMN, k0,
                          tile.group);
       ring.advance();
     }

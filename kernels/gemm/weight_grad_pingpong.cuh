@@ -69,6 +69,20 @@ __device__ __forceinline__ void init_pingpong_ring(PingPongStorage& ss) {
   ptx::fence_mbarrier_init();
 }
 
+// Producer: waits until the ring's next stage is free and arms consumer `owner`'s full barrier for `bytes`.
+// Null when the stage never became free (recorded in args.error_flag). Shared by both ping-pong producers.
+__device__ __forceinline__ PingPongStorage::Stage* claim_pingpong_stage(
+    PingPongStorage& ss, const StageRing<PingPongConfig::kStages>& ring, int owner, uint32_t bytes,
+    const GroupedGemmArgs& args, uint64_t*& full) {
+  if (!ptx::mbarrier_wait_parity_bounded(&ss.empty[ring.stage], ring.phase ^ 1, GemmConfig::kWaitTimeoutNs)) {
+    record_error(args.error_flag, WaitError::kEmptyStage);
+    return nullptr;
+  }
+  full = &ss.full[owner][ring.stage];
+  ptx::mbarrier_arrive_expect_tx(full, bytes);
+  return &ss.stages[ring.stage];
+}
+
 // The halves (64-row boxes of A) and the width of a tile below m and n: 2 or 1, TILE_N or 64 (m, n % 64 ==
 // 0).
 struct PingPongExtent {
@@ -101,18 +115,14 @@ __device__ __forceinline__ void produce_weight_grads(PingPongStorage& ss, const 
     const int32_t b_boxes = extent.columns / C::kBoxMN;
     const uint32_t bytes = static_cast<uint32_t>(extent.halves + b_boxes) * C::kBoxBytes;
     for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
-      if (!ptx::mbarrier_wait_parity_bounded(&ss.empty[ring.stage], ring.phase ^ 1, C::kWaitTimeoutNs)) {
-        record_error(args.error_flag, WaitError::kEmptyStage);
-        return;
-      }
-      PingPongStorage::Stage& st = ss.stages[ring.stage];
-      uint64_t* full = &ss.full[owner][ring.stage];
-      ptx::mbarrier_arrive_expect_tx(full, bytes);
+      uint64_t* full = nullptr;
+      PingPongStorage::Stage* st = claim_pingpong_stage(ss, ring, owner, bytes, args, full);
+      if (st == nullptr) return;
       const int32_t k0 = kb * C::BLOCK_K;
       for (int32_t box = 0; box < extent.halves; ++box)
-        ptx::tma_load_2d(st.a + box * C::kBoxMN * C::BLOCK_K, &tmap_a, full, row0 + box * C::kBoxMN, k0);
+        ptx::tma_load_2d(st->a + box * C::kBoxMN * C::BLOCK_K, &tmap_a, full, row0 + box * C::kBoxMN, k0);
       for (int32_t box = 0; box < b_boxes; ++box)
-        ptx::tma_load_2d(st.b + box * C::kBoxMN * C::BLOCK_K, &tmap_b, full, col0 + box * C::kBoxMN, k0);
+        ptx::tma_load_2d(st->b + box * C::kBoxMN * C::BLOCK_K, &tmap_b, full, col0 + box * C::kBoxMN, k0);
       ring.advance();
     }
   }
