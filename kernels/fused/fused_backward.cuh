@@ -113,7 +113,8 @@ struct BackwardScheduler {
   sched::BackwardTaskCursor cursor;
   int32_t checked_weight = -1;  // the (weight kind, group) whose inputs were last found ready
   int32_t checked_group = -1;
-  bool all_rows_ready = false;  // the last routed unit pulled: every unit is (each CTA pulls in order)
+  bool all_rows_ready = false;      // the last routed unit pulled: every unit is (each CTA pulls in order)
+  bool all_act_grads_done = false;  // every routed d_a tile stored
 
   __device__ explicit BackwardScheduler(const FusedBackwardParams& params)
       : p(params), shape(task_shape_of(params)), cursor(shape) {}
@@ -128,6 +129,18 @@ struct BackwardScheduler {
     const uint32_t expected = 2u * (shared ? shape.data.shared_gate_up_n : shape.data.gate_up_n);
     return wait_count(p.ws, counters_of(p.ws).first_done(shared, m_block), expected,
                       layout::WaitId::kFusedActGradDone, m_block, left_until(deadline_ns));
+  }
+  // act_grads_done for routed m-blocks [m_begin, m_end): once every routed d_a tile is stored (one count
+  // for all, remembered), at once; until then per m-block (a round trip each, between two tiles' loads).
+  __device__ bool routed_act_grads_done(int32_t m_begin, int32_t m_end, uint64_t deadline_ns) {
+    if (!all_act_grads_done) {
+      const uint32_t expected = 2u * static_cast<uint32_t>(shape.data.gate_up_n * shape.data.routed_m_blocks);
+      all_act_grads_done = flags::ld_acquire_gpu(counters_of(p.ws).routed_first_done_total()) >= expected;
+    }
+    for (int32_t m = m_begin; !all_act_grads_done && m < m_end; ++m) {
+      if (!act_grads_done(false, m, deadline_ns)) return false;
+    }
+    return true;
   }
   __device__ bool replayed(int32_t m_block, uint64_t deadline_ns = 0) const {
     return wait_count(p.ws, counters_of(p.ws).replay_done(m_block), 2u * shape.replay_n,
@@ -152,9 +165,7 @@ struct BackwardScheduler {
     }
     if (task.weight == WeightGradKind::kDown && shape.replay_m_blocks > 0) {
       // act is replayed: the expert's d_a tiles waited for it (and for dy)
-      for (int32_t m = m_begin; m < m_end; ++m) {
-        if (!act_grads_done(false, m, deadline)) return false;
-      }
+      if (!routed_act_grads_done(m_begin, m_end, deadline)) return false;
     } else if (task.weight == WeightGradKind::kDown) {
       const int32_t units = shape.data.routed_units();
       if (!all_rows_ready && units > 0 &&
@@ -166,10 +177,12 @@ struct BackwardScheduler {
            !all_rows_ready && m_end > m_begin && j <= (m_end - 1) / unit_blocks; ++j) {
         if (!rows_ready(j, deadline)) return false;
       }
-    } else {
+    } else if (shared) {
       for (int32_t m = m_begin; m < m_end; ++m) {
-        if (!act_grads_done(shared, m, deadline)) return false;
+        if (!act_grads_done(true, m, deadline)) return false;
       }
+    } else if (!routed_act_grads_done(m_begin, m_end, deadline)) {
+      return false;
     }
     checked_weight = kind;
     checked_group = task.group;
@@ -178,11 +191,15 @@ struct BackwardScheduler {
 
   __device__ void operator()(BackwardTask& task) {
     task = BackwardTask{BackwardTaskKind::kEnd, 0, 0, 0, 0, WeightGradKind::kSharedDown};
-    // After a failure anywhere, no new tile (tiles without inputs to wait on would never notice).
-    if (aborted(p.ws)) return;
     // A macrobatch's launch skips the weight-gradient tiles of experts it does not hold (group_active).
     for (;;) {
       const int32_t ticket = static_cast<int32_t>(atomicAdd(counters_of(p.ws).ticket(), 1u));
+      // After a failure anywhere, no new tile (tiles without inputs to wait on would never notice). Read
+      // while the ticket is in flight: one round trip for both.
+      if (aborted(p.ws)) {
+        task.kind = BackwardTaskKind::kEnd;
+        return;
+      }
       if (!cursor.at(ticket, task)) {
         task.kind = BackwardTaskKind::kEnd;
         return;
@@ -256,11 +273,12 @@ __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss,
   return true;
 }
 
-// Consumer warpgroup, one task: mainloop + epilogue; `done` is the tile's counter, if any.
+// Consumer warpgroup, one task: mainloop + epilogue; `done` is the tile's counter, if any, `done_total` a
+// second one (every routed d_a tile).
 __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
                                              kernels::gemm::RingPosition& ring, const FusedBackwardParams& p,
                                              const BackwardTask& task, int consumer_idx, float (&acc)[128],
-                                             uint32_t*& done) {
+                                             uint32_t*& done, uint32_t*& done_total) {
   const FusedCounters counters = counters_of(p.ws);
   const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};
   // Every kind's whole-K tile: consume_tile at the width mma_columns gives this warpgroup.
@@ -274,9 +292,12 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
     case BackwardTaskKind::kSharedActGrad:
       done = counters.first_done(true, task.m_block);
       return consume(GemmTag<kActGradGemm>{}, p.shared_act_grad.args);
-    case BackwardTaskKind::kActGrad:
-      done = counters.first_done(false, task.m_block);
-      return consume(GemmTag<kActGradGemm>{}, p.act_grad.args);
+    case BackwardTaskKind::kActGrad: {
+      const bool consumed = consume(GemmTag<kActGradGemm>{}, p.act_grad.args);
+      done = counters.first_done(false, task.m_block);  // set after the mainloop: no registers held across it
+      done_total = counters.routed_first_done_total();
+      return consumed;
+    }
     case BackwardTaskKind::kSharedDataGrad:
       return consume(GemmTag<kDataGradGemm>{}, p.shared_data_grad.args);
     case BackwardTaskKind::kDataGrad:
@@ -345,8 +366,9 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       [&](const BackwardTask& task, kernels::gemm::RingPosition& ring) {
         return produce_task(ss, ring, params, task);
       },
-      [&](const BackwardTask& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done) {
-        return consume_task(ss, ring, params, task, threadIdx.x / 128 - 1, acc, done);
+      [&](const BackwardTask& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done,
+          uint32_t*& done_total) {
+        return consume_task(ss, ring, params, task, threadIdx.x / 128 - 1, acc, done, done_total);
       },
       [] {});
 }

@@ -40,7 +40,7 @@ struct GemmTag {
 
 struct FusedCounters {
   uint32_t* base;
-  int64_t max_m_blocks, token_blocks;
+  int64_t max_m_blocks, token_blocks, max_macrobatches;
   __device__ uint32_t* ticket() const { return base + layout::kFusedTicket; }
   __device__ uint32_t* role() const { return base + layout::kFusedRole; }
   __device__ uint32_t* abort() const { return base + layout::kFusedAbort; }
@@ -64,10 +64,16 @@ struct FusedCounters {
   __device__ uint32_t* ring_free(int32_t b) const {
     return base + layout::kFusedHeaderWords + 5 * max_m_blocks + token_blocks + b;
   }
+  // The fused backward: every routed d_a tile stored, +1 per consumer warpgroup (one check for all of them
+  // once the weight-gradient tiles start, where the per-m-block counts take a round trip each).
+  __device__ uint32_t* routed_first_done_total() const {
+    return base + layout::kFusedHeaderWords + 5 * max_m_blocks + token_blocks + max_macrobatches;
+  }
 };
 
 __device__ __forceinline__ FusedCounters counters_of(const layout::WorkspacePointers& ws) {
-  return {ws.fused_counters, ws.rows_capacity / GemmConfig::BLOCK_M, ws.token_capacity / GemmConfig::BLOCK_M};
+  return {ws.fused_counters, ws.rows_capacity / GemmConfig::BLOCK_M, ws.token_capacity / GemmConfig::BLOCK_M,
+          ws.max_macrobatches};
 }
 
 // Per-CTA handoff state beside the GEMM's stage ring: the producer thread takes a ticket, waits for the
@@ -82,7 +88,8 @@ struct TaskSlots {
   uint64_t full[kTaskSlots];   // producer -> consumers: task[s] written (1 arrival)
   uint64_t empty[kTaskSlots];  // task[s] read by all 8 consumer warps
   int32_t role;
-  int32_t go;  // communication CTAs: thread 0's decision, broadcast
+  int32_t go;                   // communication CTAs: thread 0's decision, broadcast
+  uint64_t scheduler_start_ns;  // under ws.profile_tiles: when the producer asked for its next task
 };
 inline constexpr uint32_t kTaskReaders = 4 * GemmConfig::kNumConsumerWarpgroups;
 
@@ -229,12 +236,14 @@ __device__ __forceinline__ void store_tile_to_slots(const float (&acc)[128],
                                  static_cast<int>(threadIdx.x % 32));
 }
 
-// Every store of this consumer warpgroup's 64 rows of a tile, then one release of `count`.
-__device__ __forceinline__ void count_tile_stored(uint32_t* count, int consumer_idx) {
+// Every store of this consumer warpgroup's 64 rows of a tile, then one release of `count` (and of `total`,
+// a count over many tiles, when set).
+__device__ __forceinline__ void count_tile_stored(uint32_t* count, uint32_t* total, int consumer_idx) {
   kernels::ptx::named_barrier_sync(1 + consumer_idx, 128);
   if (threadIdx.x % 128 == 0) {
     kernels::ptx::fence_proxy_async_global();
     flags::red_release_gpu_add(count, 1u);
+    if (total != nullptr) flags::red_release_gpu_add(total, 1u);
   }
 }
 
@@ -317,30 +326,8 @@ struct SchedulerStorage {
   }
 };
 
-// The producer thread: `next(task)` takes a ticket and waits for the task's inputs (task.kind == kEnd at the
-// end of the list, after a failure, or once any CTA aborted); the task goes to the consumers, the end too;
-// `produce(task, ring)` loads its stages (false: recorded by the stage ring, the CTA's work ends).
-template <typename TaskT, typename NextTask, typename Produce>
-__device__ __forceinline__ void run_producer(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
-                                             NextTask&& next, Produce&& produce) {
-  kernels::gemm::RingPosition ring;
-  for (uint32_t i = 0;; ++i) {
-    TaskT task;
-    next(task);
-    kernels::ptx::fence_proxy_async_global();  // rows other CTAs stored (acquired by next), read by TMA
-    if (!hand_over(ws, slots, i, task) || task.kind == decltype(task.kind)::kEnd) return;
-    if (!produce(task, ring)) {
-      fail(ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 0, 1);
-      return;
-    }
-  }
-}
-
-// A consumer warpgroup: `consume(task, ring, acc, done)` multiplies this warpgroup's rows of one task and
-// stores them (false: a stage never filled, recorded); `done`, when set, is the counter to bump once the
-// warpgroup's stores are all issued.
 // Under ws.profile_tiles, the first thread of each consumer warpgroup adds its time per task kind and its
-// handoff waits to the kFusedTileProfile slots.
+// waits for the tasks of each kind to the kFusedTileProfile slots, the producer thread its time finding them.
 class TileProfile {
  public:
   __device__ explicit TileProfile(const layout::WorkspacePointers& ws)
@@ -353,32 +340,81 @@ class TileProfile {
     atomicAdd(slots_ + layout::kProfileKindNs + kind, finished - handed_over);
     atomicAdd(slots_ + layout::kProfileKindTasks + kind, 1ull);
   }
-  __device__ void handoff(uint64_t from, uint64_t to) {
-    if (slots_ != nullptr) atomicAdd(slots_ + layout::kProfileHandoffNs, to - from);
+  __device__ void handoff(int kind, uint64_t from, uint64_t to) {
+    if (slots_ == nullptr || kind < 0 || kind >= layout::kMaxProfiledKinds) return;
+    atomicAdd(slots_ + layout::kProfileHandoffNs + kind, to - from);
+  }
+  __device__ void scheduled(int kind, uint64_t from, uint64_t to) {
+    if (slots_ == nullptr || kind < 0 || kind >= layout::kMaxProfiledKinds) return;
+    atomicAdd(slots_ + layout::kProfileSchedulerNs + kind, to - from);
+  }
+  __device__ void started(uint64_t at) { earliest(layout::kProfileStartInverted, at); }
+  __device__ void first_task(uint64_t at) { earliest(layout::kProfileFirstTaskInverted, at); }
+  __device__ void out_of_tasks(uint64_t at) {
+    if (slots_ == nullptr) return;
+    earliest(layout::kProfileOutOfTasksInverted, at);
+    atomicMax(slots_ + layout::kProfileOutOfTasks, static_cast<unsigned long long>(at));
   }
 
  private:
+  __device__ void earliest(int slot, uint64_t at) {
+    if (slots_ != nullptr) atomicMax(slots_ + slot, ~static_cast<unsigned long long>(at));
+  }
   unsigned long long* slots_;
 };
 
+// The producer thread: `next(task)` takes a ticket and waits for the task's inputs (task.kind == kEnd at the
+// end of the list, after a failure, or once any CTA aborted); the task goes to the consumers, the end too;
+// `produce(task, ring)` loads its stages (false: recorded by the stage ring, the CTA's work ends).
+template <typename TaskT, typename NextTask, typename Produce>
+__device__ __forceinline__ void run_producer(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
+                                             NextTask&& next, Produce&& produce) {
+  kernels::gemm::RingPosition ring;
+  for (uint32_t i = 0;; ++i) {
+    TaskT task;
+    // The profile's state lives in shared memory and ws: the producer's 40 registers hold nothing more.
+    if (ws.profile_tiles != 0) slots.scheduler_start_ns = flags::global_timer_ns();
+    next(task);
+    if (ws.profile_tiles != 0) {
+      TileProfile(ws).scheduled(static_cast<int>(task.kind), slots.scheduler_start_ns,
+                                flags::global_timer_ns());
+    }
+    kernels::ptx::fence_proxy_async_global();  // rows other CTAs stored (acquired by next), read by TMA
+    if (!hand_over(ws, slots, i, task) || task.kind == decltype(task.kind)::kEnd) return;
+    if (!produce(task, ring)) {
+      fail(ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 0, 1);
+      return;
+    }
+  }
+}
+
+// A consumer warpgroup: `consume(task, ring, acc, done, done_total)` multiplies this warpgroup's rows of one
+// task and stores them (false: a stage never filled, recorded); `done`, when set, is the counter to bump once
+// the warpgroup's stores are all issued, `done_total`, when set too, a second one (over all tiles of a kind).
 template <typename TaskT, typename Consume>
 __device__ __forceinline__ void run_consumer(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
                                              int consumer_idx, Consume&& consume) {
   kernels::gemm::RingPosition ring;
   float acc[128];
   TileProfile profile(ws);
+  profile.started(profile.now());
   for (uint32_t i = 0;; ++i) {
     TaskT task;
     const uint64_t waited_from = profile.now();
-    if (!take_over(ws, slots, i, task) || task.kind == decltype(task.kind)::kEnd) return;
+    if (!take_over(ws, slots, i, task) || task.kind == decltype(task.kind)::kEnd) {
+      profile.out_of_tasks(profile.now());  // the end task is handed over as soon as the last one is done
+      return;
+    }
     const uint64_t handed_over = profile.now();
-    profile.handoff(waited_from, handed_over);
+    profile.handoff(static_cast<int>(task.kind), waited_from, handed_over);
+    if (i == 0) profile.first_task(handed_over);
     uint32_t* done = nullptr;
-    if (!consume(task, ring, acc, done)) {
+    uint32_t* done_total = nullptr;
+    if (!consume(task, ring, acc, done, done_total)) {
       fail(ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 1, 0);
       return;
     }
-    if (done != nullptr) count_tile_stored(done, consumer_idx);
+    if (done != nullptr) count_tile_stored(done, done_total, consumer_idx);
     profile.task(static_cast<int>(task.kind), handed_over, profile.now());
   }
 }

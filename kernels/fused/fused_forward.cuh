@@ -151,10 +151,10 @@ struct ForwardScheduler {
   __device__ void operator()(TaskT& task) {
     const FusedCounters counters = counters_of(p.ws);
     task = TaskT{};  // kEnd
-    // After a failure anywhere, no new tile (tiles without inputs to wait on would never notice).
-    if (aborted(p.ws)) return;
     const int32_t ticket = static_cast<int32_t>(atomicAdd(counters.ticket(), 1u));
-    if (!cursor.at(ticket, task)) return;
+    // After a failure anywhere, no new tile (tiles without inputs to wait on would never notice). Read while
+    // the ticket is in flight: one round trip for both.
+    if (aborted(p.ws) || !cursor.at(ticket, task)) return;
     const bool routed = task.kind == TaskKind::kGateUp || task.kind == TaskKind::kDown;
     if (routed) find_routed_block(p.ws, schedule_block_of(task), task);
     [[maybe_unused]] uint64_t deadline = 0;
@@ -410,9 +410,8 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       [&](const TaskT& task, kernels::gemm::RingPosition& ring) {
         return produce_task(ss, ring, maps, params, task);
       },
-      [&](const TaskT& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done) {
-        return consume_task(ss, ring, params, task, warpgroup - 1, acc, done);
-      },
+      [&](const TaskT& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done,
+          uint32_t*&) { return consume_task(ss, ring, params, task, warpgroup - 1, acc, done); },
       [&] { finish_forward(ws, warpgroup); });
 }
 

@@ -105,12 +105,20 @@ enum FusedStepTime : int32_t {
 inline constexpr int64_t kFusedStepTimes = kFusedGridReleased + kNumGridSteps;  // even: 8-byte aligned
 // Where the compute CTAs' time went (uint64 each, summed over consumer warpgroups, written only when
 // WorkspacePointers::profile_tiles is set): per task kind k (its enum value) the ns spent on its tasks
-// (mainloop, epilogue, count) and their number, and the ns spent waiting for a task to be handed over.
+// (mainloop, epilogue, count), their number, the ns spent waiting for them to be handed over, and the ns the
+// producers spent finding them (ticket, decode, waits for their inputs).
 inline constexpr int kMaxProfiledKinds = 8;
 enum FusedTileProfile : int32_t {
   kProfileKindNs = 0,
   kProfileKindTasks = kMaxProfiledKinds,
   kProfileHandoffNs = 2 * kMaxProfiledKinds,
+  kProfileSchedulerNs = 3 * kMaxProfiledKinds,  // the producers' ticket + decode + input checks, per kind
+  kProfileStartInverted = 4 * kMaxProfiledKinds,
+  // The timeline, as ~ns for earliest-of (atomicMax of the complement: the region starts zeroed): the first
+  // consumer warpgroup's start and first task, and the earliest and latest time a warpgroup ran out of tasks.
+  kProfileFirstTaskInverted = kProfileStartInverted + 1,
+  kProfileOutOfTasksInverted,
+  kProfileOutOfTasks,
   kNumProfileSlots
 };
 inline constexpr int64_t kFusedTileProfile = kFusedStepTimes + 2 * kNumStepTimes;  // even
@@ -186,11 +194,12 @@ struct WorkspaceLayout {
   int64_t loc_shared_u = 0;    // bf16 [token_capacity][Is]
   int64_t loc_shared_act = 0;  // bf16 [token_capacity][Is]
   int64_t loc_shared_y = 0;    // bf16 [token_capacity][H]    (0 bytes when Is = 0)
-  // fused kernels only: uint32 [kFusedHeaderWords + 5 * max_m_blocks + token_blocks], max_m_blocks =
-  // rows_capacity / 128, token_blocks = token_capacity / 128: rows_ready and rows_done per minibatch (at
-  // most one per m-block), then first_done (gate/up; d_a) per shared and per routed m-block, then the
-  // backward's replay (macrobatch ring): replay_rows_ready per minibatch, replay_done per m-block, then the
-  // forward's ring_free per macrobatch (kernels/fused/fused_common.cuh)
+  // fused kernels only: uint32 [kFusedHeaderWords + 5 * max_m_blocks + token_blocks + max_macrobatches + 1],
+  // max_m_blocks = rows_capacity / 128, token_blocks = token_capacity / 128: rows_ready and rows_done per
+  // minibatch (at most one per m-block), then first_done (gate/up; d_a) per shared and per routed m-block,
+  // then the backward's replay (macrobatch ring): replay_rows_ready per minibatch, replay_done per m-block,
+  // then the forward's ring_free per macrobatch, then the backward's count of every routed d_a tile
+  // (kernels/fused/fused_common.cuh)
   int64_t loc_fused_counters = 0;
   int64_t fused_counter_words = 0;
   // backward only (nothing here is forward context)
@@ -265,8 +274,8 @@ struct WorkspaceLayout {
     l.loc_shared_u = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_act = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_y = carve(Is > 0 ? l.token_capacity * H * kBf16Bytes : 0);
-    l.fused_counter_words =
-        kFusedHeaderWords + 5 * (l.rows_capacity / kBlockM) + l.token_capacity / kBlockM + l.max_macrobatches;
+    l.fused_counter_words = kFusedHeaderWords + 5 * (l.rows_capacity / kBlockM) + l.token_capacity / kBlockM +
+                            l.max_macrobatches + 1;
     l.loc_fused_counters = carve(l.fused_counter_words * 4);
     l.loc_dy_rows = carve(M * H * kBf16Bytes);
     l.loc_d_gu_rows = carve(M * 2 * I * kBf16Bytes);

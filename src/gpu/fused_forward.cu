@@ -75,7 +75,11 @@ void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) 
       ms(layout::kTimeRoutingReleased, layout::kTimeCountedReleased),
       ms(layout::kTimePlacedReleased, layout::kTimeLastFinished),
       ms(layout::kTimeLastFinished, layout::kTimeCombineBarrier));
-  report_tile_profile(p, "forward", {"", "shared gate/up", "shared down", "gate/up", "down"}, stream);
+  report_tile_profile(p, "forward", {"", "shared gate/up", "shared down", "gate/up", "down"}, stream,
+                      {{"routing released", ns[layout::kTimeRoutingReleased]},
+                       {"schedule placed", ns[layout::kTimePlacedReleased]},
+                       {"last finished", ns[layout::kTimeLastFinished]},
+                       {"combine barrier", ns[layout::kTimeCombineBarrier]}});
 }
 
 // Zeroed counters (a memset node in a captured graph), then the kernel, cooperatively: the grid steps

@@ -66,10 +66,14 @@ class StageTimer {
 };
 
 // Under POUNCE_PROFILE_STAGES, after a fused kernel: its consumer warpgroups' time per task kind (named in
-// `kinds` by enum value) and waiting for tasks (kernels/layout kFusedTileProfile). Synchronises the stream;
-// skipped while capturing.
+// `kinds` by enum value), waiting for the tasks of each kind, and the producers' time finding them, summed
+// over warpgroups and producers (kernels/layout kFusedTileProfile). Synchronises the stream;
+// skipped while capturing. Then the timeline from the first consumer warpgroup's start: its first task, the
+// kernel's `milestones` (%globaltimer ns, 0 = not reached) and the earliest and latest time a warpgroup ran
+// out of tasks (the tail).
 inline void report_tile_profile(const layout::WorkspacePointers& p, const char* pass,
-                                std::initializer_list<const char*> kinds, cudaStream_t stream) {
+                                std::initializer_list<const char*> kinds, cudaStream_t stream,
+                                std::initializer_list<std::pair<const char*, uint64_t>> milestones = {}) {
   if (p.profile_tiles == 0) return;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone)
@@ -81,24 +85,44 @@ inline void report_tile_profile(const layout::WorkspacePointers& p, const char* 
     return;
   std::string line =
       std::string("pounce profile rank ") + std::to_string(p.rank) + " fused " + pass + " tiles:";
-  double busy_ms = 0.0;
+  double busy_ms = 0.0, handoff_ms = 0.0;
   int kind = 0;
   for (const char* name : kinds) {
     const unsigned long long tasks = slots[layout::kProfileKindTasks + kind];
     const double ms = slots[layout::kProfileKindNs + kind] * 1e-6;
+    const double waited_ms = slots[layout::kProfileHandoffNs + kind] * 1e-6;
+    const double scheduled_ms = slots[layout::kProfileSchedulerNs + kind] * 1e-6;
     busy_ms += ms;
+    handoff_ms += waited_ms;
     if (tasks > 0) {
-      char item[160];
-      std::snprintf(item, sizeof(item), " %s %llu x %.1f us,", name, tasks, ms * 1e3 / tasks);
+      char item[200];
+      std::snprintf(item, sizeof(item), " %s %llu x %.1f us (waited %.2f ms, found in %.2f ms),", name, tasks,
+                    ms * 1e3 / tasks, waited_ms, scheduled_ms);
       line += item;
     }
     ++kind;
   }
-  const double handoff_ms = slots[layout::kProfileHandoffNs] * 1e-6;
   char tail[160];
   std::snprintf(tail, sizeof(tail), " waiting for tasks %.1f %% of the warpgroups' time",
                 100.0 * handoff_ms / std::max(busy_ms + handoff_ms, 1e-9));
   std::fprintf(stderr, "%s%s\n", line.c_str(), tail);
+
+  const uint64_t start = ~slots[layout::kProfileStartInverted];
+  auto since_start = [&](uint64_t at) { return at != 0 && at >= start ? (at - start) * 1e-6 : -1.0; };
+  std::string timeline = std::string("pounce profile rank ") + std::to_string(p.rank) + " fused " + pass +
+                         " timeline (ms from the first consumer start):";
+  char item[160];
+  std::snprintf(item, sizeof(item), " first task %.3f,",
+                since_start(~slots[layout::kProfileFirstTaskInverted]));
+  timeline += item;
+  for (const auto& [name, at] : milestones) {
+    std::snprintf(item, sizeof(item), " %s %.3f,", name, since_start(at));
+    timeline += item;
+  }
+  std::snprintf(item, sizeof(item), " out of tasks %.3f..%.3f",
+                since_start(~slots[layout::kProfileOutOfTasksInverted]),
+                since_start(slots[layout::kProfileOutOfTasks]));
+  std::fprintf(stderr, "%s%s\n", timeline.c_str(), item);
 }
 
 }  // namespace pounce::gpu
