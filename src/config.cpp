@@ -40,7 +40,15 @@ const char* to_string(Precision precision) {
 }
 
 const char* to_string(KernelPath path) {
-  return path == KernelPath::kFused ? "fused" : "staged";
+  switch (path) {
+    case KernelPath::kFused:
+      return "fused";
+    case KernelPath::kStaged:
+      return "staged";
+    case KernelPath::kAuto:
+      return "auto";
+  }
+  return "?";
 }
 
 const char* to_string(Backend backend) {

@@ -25,7 +25,7 @@ bench() {  # name, timeout, extra arguments
     >"$out/$name.log" 2>&1
   summary+=("$name: rc=$?")
 }
-bench "bench_ep$ranks" "${BENCH_TIMEOUT_S:-240}" --tokens 8192 --impl fused fused-all
+bench "bench_ep$ranks" "${BENCH_TIMEOUT_S:-240}" --tokens 8192 --impl fused fused-staged
 [ "$(left)" -gt 100 ] && bench "bench_ep${ranks}_16384_forward" 95 --tokens 16384 --impl fused --pass forward
 [ "$(left)" -gt 70 ] && CUDA_VISIBLE_DEVICES=0 bench bench_ep1_forward 65 --ranks 1 --tokens 8192 --impl fused \
   --pass forward

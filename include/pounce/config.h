@@ -10,8 +10,11 @@ namespace pounce {
 enum class Precision { kBF16, kFP8 };
 enum class Backend { kAuto, kCpu, kGpu };
 // How the GPU backend runs a pass: one persistent fused kernel between the token-side prologue and epilogue,
-// or the chain of standalone stage kernels (the debugging oracle; bitwise the same result).
-enum class KernelPath { kFused, kStaged };
+// or the chain of standalone stage kernels (the debugging oracle; bitwise the same result), or kAuto: the
+// one measured faster for the shape (forward: the fused kernel; backward: the fused kernel over several ranks
+// when I >= 1024, where its GEMMs are long and its combine scattered, else the stage kernels; docs/design.md
+// "Fused backward").
+enum class KernelPath { kFused, kStaged, kAuto };
 
 struct Config {
   int forward_comm_sms = 0;    // SMs that move tokens in the forward kernel; 0 = heuristic
@@ -28,9 +31,10 @@ struct Config {
   bool deterministic = true;  // false is rejected for now: every path is deterministic
   Backend backend = Backend::kAuto;
   KernelPath kernel_path = KernelPath::kFused;  // forward (and recompute_forward_context)
-  // Backward. Staged by default: on 2 x H200 the fused backward kernel is 3 % faster on gpt-oss-120b but 4 %
-  // slower on qwen3 and deepseek (docs/design.md, "Fused backward"); both give bitwise the same gradients.
-  KernelPath backward_kernel_path = KernelPath::kStaged;
+  // Backward: on 2 x H200 the fused backward kernel is 4 % (gpt-oss-120b) and 3 % (deepseek-v3) faster than
+  // the stage kernels, 7 % slower on qwen3-30b-a3b (docs/design.md, "Fused backward"); kAuto picks by shape.
+  // Both give bitwise the same gradients.
+  KernelPath backward_kernel_path = KernelPath::kAuto;
 };
 
 // GEMM tile height: every expert segment of the receive schedule is padded to a multiple of it.

@@ -194,7 +194,8 @@ void bind_types(nb::module_& m) {
       .value("gpu", Backend::kGpu);
   nb::enum_<KernelPath>(m, "KernelPath")
       .value("fused", KernelPath::kFused)
-      .value("staged", KernelPath::kStaged);
+      .value("staged", KernelPath::kStaged)
+      .value("auto", KernelPath::kAuto);
 
   nb::class_<Activation>(m, "Activation", "Expert activation: SwiGLU or GPT-OSS, optional clamp (DESIGN §1).")
       .def(
@@ -265,7 +266,7 @@ void bind_types(nb::module_& m) {
           "forward_comm_sms"_a = 0, "backward_comm_sms"_a = 0, "minibatch_size"_a = 0,
           "macrobatch_size"_a = 0, "activation"_a = nb::none(), "precision"_a = Precision::kBF16,
           "deterministic"_a = true, "backend"_a = Backend::kAuto, "kernel_path"_a = KernelPath::kFused,
-          "backward_kernel_path"_a = KernelPath::kStaged)
+          "backward_kernel_path"_a = KernelPath::kAuto)
       .def_rw("forward_comm_sms", &Config::forward_comm_sms)
       .def_rw("backward_comm_sms", &Config::backward_comm_sms)
       .def_rw("minibatch_size", &Config::minibatch_size)

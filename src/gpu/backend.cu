@@ -544,7 +544,7 @@ void check_forward_supported(GpuWorkspace& workspace) {
 }
 
 void launch_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream, bool write_out) {
-  if (workspace.config.kernel_path == KernelPath::kFused) {
+  if (workspace.config.kernel_path != KernelPath::kStaged) {  // kAuto: the fused kernel
     launch_fused_forward(workspace, args, stream, write_out);
   } else {
     launch_staged_forward(workspace, args, stream, write_out);
@@ -578,7 +578,7 @@ void backward(GpuWorkspace& workspace, const BackwardArgs& args, void* stream) {
   POUNCE_CHECK(workspace.context_tokens == num_tokens_of(args.inputs), "backward got ",
                num_tokens_of(args.inputs), " tokens but the forward context holds ", workspace.context_tokens,
                "; pass the inputs of the matching forward");
-  if (workspace.config.backward_kernel_path == KernelPath::kFused) {
+  if (fused_backward_chosen(workspace)) {
     launch_fused_backward(workspace, args, static_cast<cudaStream_t>(stream));
   } else {
     launch_staged_backward(workspace, args, static_cast<cudaStream_t>(stream));

@@ -22,6 +22,7 @@
 #include "kernels/gemm/gemm_operands.h"
 #include "src/gpu/gpu_state.h"
 #include "src/gpu/mlp_backward.h"
+#include "src/gpu/overlap.h"
 #include "src/gpu/stage_timer.h"
 
 namespace pounce::gpu {
@@ -71,6 +72,23 @@ int32_t backward_unit_blocks(const GpuWorkspace& workspace, int comm_ctas) {
 }
 
 }  // namespace
+
+// kAuto: the fused kernel where it measured faster than the stage kernels (2 x H200, EP2, 8192 tokens/rank,
+// bf16 weight gradients, same call; docs/design.md "Fused backward"): over several ranks with I >= 1024, the
+// shapes whose combine scatters (gpt-oss-120b 6.30-6.40 vs 6.57 ms, deepseek-v3 26.3 vs 27.0 ms);
+// qwen3-30b-a3b (I = 768, push combine) keeps the stage kernels (2.60 vs 2.43 ms). One rank was not measured:
+// staged.
+bool fused_backward_chosen(const GpuWorkspace& workspace) {
+  switch (workspace.config.backward_kernel_path) {
+    case KernelPath::kFused:
+      return true;
+    case KernelPath::kStaged:
+      return false;
+    case KernelPath::kAuto:
+      break;
+  }
+  return workspace.layout.num_ranks > 1 && workspace.layout.intermediate >= kCommHeavyIntermediate;
+}
 
 void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream) {
   DeviceGuard guard(workspace.device);
@@ -128,7 +146,8 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
     weight(WeightGradKind::kGate) = routed.gate;
     weight(WeightGradKind::kUp) = routed.up;
     params.push_combine = fused_push_combine(workspace);
-    params.comm_ctas = fused_comm_ctas(workspace, params.push_combine, workspace.config.backward_comm_sms);
+    params.comm_ctas = fused_comm_ctas(workspace, params.push_combine, workspace.config.backward_comm_sms,
+                                       FusedPass::kBackward);
     params.unit_blocks = backward_unit_blocks(workspace, params.comm_ctas);
     launches.push_back(params);
   }

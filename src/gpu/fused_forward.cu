@@ -11,7 +11,9 @@
 //     communication CTAs push the combine, 20 of them (16: +16 %, 28: +5 % forward time), in
 //     minibatches of 16 m-blocks (8: +9 %; with 24 CTAs 32: +3 %, 64: +8 %);
 //   - otherwise the down epilogues scatter into the owners' slots and the communication CTAs only pull:
-//     4 of them over several ranks (8 and 12 cost 2-9 %), 8 on one rank (a local copy; not swept);
+//     4 of them over several ranks (8 and 12 cost 2-9 %), 8 on one rank (a local copy; not swept); the
+//     fused backward takes 8 over several ranks (its d_a tiles waited for the dy pulls behind 4: gpt-oss
+//     backward 6.88 ms with 4, 6.40 with 8, 6.30 with 12; deepseek 26.3 with 8, 27.0 with 12);
 //   - minibatches of 8 m-blocks (1024 rows) otherwise, about one wave of tiles each (16 within noise, 32
 //     +3-7 %).
 // The sweeps: bench/results/sweep_fused_ep2_8192_2026-11-29.txt.
@@ -37,6 +39,7 @@ constexpr int kDefaultUnitBlocks = 8;
 constexpr int kPushUnitBlocks = 16;
 constexpr int kPushCommCtas = 20;
 constexpr int kScatterCommCtas = 4;
+constexpr int kBackwardScatterCommCtas = 8;
 constexpr int kOneRankCommCtas = 8;
 constexpr size_t kFusedSharedBytes = kernels::gemm::kSharedBytes;
 
@@ -124,9 +127,10 @@ bool fused_push_combine(const GpuWorkspace& workspace) {
   return workspace.layout.num_ranks > 1 && workspace.layout.intermediate < kCommHeavyIntermediate;
 }
 
-int fused_comm_ctas(const GpuWorkspace& workspace, bool push_combine, int configured) {
+int fused_comm_ctas(const GpuWorkspace& workspace, bool push_combine, int configured, FusedPass pass) {
+  const int scatter_ctas = pass == FusedPass::kBackward ? kBackwardScatterCommCtas : kScatterCommCtas;
   const int heuristic = push_combine                     ? kPushCommCtas
-                        : workspace.layout.num_ranks > 1 ? kScatterCommCtas
+                        : workspace.layout.num_ranks > 1 ? scatter_ctas
                                                          : kOneRankCommCtas;
   return std::clamp(configured > 0 ? configured : heuristic, 1, std::max(1, workspace.num_sms / 2));
 }
@@ -199,7 +203,8 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   params.shared_down =
       gemm_args(H, std::max<int64_t>(Is, 64), p.shared_y, nullptr, nullptr, launch.activation, gemm_error);
   params.push_combine = fused_push_combine(workspace);
-  params.comm_ctas = fused_comm_ctas(workspace, params.push_combine, workspace.config.forward_comm_sms);
+  params.comm_ctas =
+      fused_comm_ctas(workspace, params.push_combine, workspace.config.forward_comm_sms, FusedPass::kForward);
   params.unit_blocks = fused_unit_blocks(workspace, params.push_combine);
 
   if (!p.has_ring()) {

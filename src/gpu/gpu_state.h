@@ -173,8 +173,11 @@ void set_shared_limit_once(int device, size_t bytes) {
 
 // Heuristics the fused kernels share (src/gpu/fused_forward.cu): whether the communication CTAs push the
 // combine (else the second GEMM's epilogue scatters into the owners' slots), and how many there are.
+enum class FusedPass { kForward, kBackward };
 bool fused_push_combine(const GpuWorkspace& workspace);
-int fused_comm_ctas(const GpuWorkspace& workspace, bool push_combine, int configured);
+int fused_comm_ctas(const GpuWorkspace& workspace, bool push_combine, int configured, FusedPass pass);
+// Config::backward_kernel_path resolved (kAuto by shape: src/gpu/fused_backward.cu).
+bool fused_backward_chosen(const GpuWorkspace& workspace);
 int32_t fused_unit_blocks(const GpuWorkspace& workspace, bool push_combine);
 
 }  // namespace pounce::gpu

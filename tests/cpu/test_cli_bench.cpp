@@ -108,10 +108,14 @@ TEST(CliBench, SelectsImplAndPreset) {
   EXPECT_NO_THROW(select_impl("fused-all", config));
   EXPECT_EQ(config.kernel_path, KernelPath::kFused);
   EXPECT_EQ(config.backward_kernel_path, KernelPath::kFused);
-  EXPECT_NO_THROW(select_impl("fused", config));  // the defaults: fused forward, staged backward
+  EXPECT_NO_THROW(select_impl("fused-staged", config));
   EXPECT_EQ(config.kernel_path, KernelPath::kFused);
   EXPECT_EQ(config.backward_kernel_path, KernelPath::kStaged);
-  EXPECT_TRUE(throws_with([&] { select_impl("fast", config); }, "choose fused, fused-all or staged"));
+  EXPECT_NO_THROW(select_impl("fused", config));  // the defaults: fused forward, backward by shape
+  EXPECT_EQ(config.kernel_path, KernelPath::kFused);
+  EXPECT_EQ(config.backward_kernel_path, KernelPath::kAuto);
+  EXPECT_TRUE(
+      throws_with([&] { select_impl("fast", config); }, "choose fused, fused-all, fused-staged or staged"));
   EXPECT_EQ(bench_preset("deepseek-v3").shape.shared_intermediate, 2048);
   const Preset custom = bench_preset("custom:256:128:8:2:64");
   EXPECT_EQ(custom.name, "custom:256:128:8:2:64");

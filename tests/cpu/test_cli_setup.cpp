@@ -94,13 +94,13 @@ TEST(CliSetup, CustomShapeNeedsAllDims) {
   EXPECT_THROW(resolve_run(options, choose_backend("cpu", kNoCuda), kNoCuda), Error);
 }
 
-// --kernel picks the forward path, --backward-kernel the backward's (staged unless asked); a typo names the
+// --kernel picks the forward path, --backward-kernel the backward's (by shape unless asked); a typo names the
 // option and the choices.
 TEST(CliSetup, KernelPathsPerPass) {
   RunOptions options;
   const RunSetup defaults = resolve_run(options, choose_backend("cpu", kNoCuda), kNoCuda);
   EXPECT_EQ(defaults.config.kernel_path, KernelPath::kFused);
-  EXPECT_EQ(defaults.config.backward_kernel_path, KernelPath::kStaged);
+  EXPECT_EQ(defaults.config.backward_kernel_path, KernelPath::kAuto);
   options.kernel = "staged";
   options.backward_kernel = "fused";
   const RunSetup swapped = resolve_run(options, choose_backend("cpu", kNoCuda), kNoCuda);

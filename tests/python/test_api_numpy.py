@@ -191,9 +191,9 @@ def test_types_presets_build_info():
     shape = pounce.Shape(max_tokens=128, hidden=2048, intermediate=768, num_experts=128, num_topk=8, num_ranks=2)
     assert shape.num_local_experts == 64 and not shape.has_shared_expert
     assert "hidden=2048" in repr(shape) and "precision=bf16" in repr(pounce.Config())
-    # The GPU paths: the fused forward and the staged backward by default, either on request.
+    # The GPU paths: the fused forward and the backward by shape by default, either on request.
     assert pounce.Config().kernel_path == pounce.KernelPath.fused
-    assert pounce.Config().backward_kernel_path == pounce.KernelPath.staged
+    assert pounce.Config().backward_kernel_path == pounce.KernelPath.auto
     staged = pounce.Config(kernel_path=pounce.KernelPath.staged, minibatch_size=256)
     assert "kernel_path=staged" in repr(staged)
     fused = pounce.Config(backward_kernel_path=pounce.KernelPath.fused)

@@ -110,7 +110,10 @@ Preset bench_preset(const std::string& name) {
 }
 
 void select_impl(const std::string& impl, Config& config) {
-  if (impl == "fused") {  // the defaults: the fused forward kernel, the staged backward
+  if (impl == "fused") {  // the defaults: the fused forward kernel, the backward chosen by shape
+    config.kernel_path = KernelPath::kFused;
+    config.backward_kernel_path = KernelPath::kAuto;
+  } else if (impl == "fused-staged") {  // the fused forward kernel, the staged backward
     config.kernel_path = KernelPath::kFused;
     config.backward_kernel_path = KernelPath::kStaged;
   } else if (impl == "fused-all") {  // the fused forward and the fused backward kernel
@@ -120,7 +123,7 @@ void select_impl(const std::string& impl, Config& config) {
     config.kernel_path = KernelPath::kStaged;
     config.backward_kernel_path = KernelPath::kStaged;
   } else {
-    detail::fail("--impl ", impl, " is unknown; choose fused, fused-all or staged");
+    detail::fail("--impl ", impl, " is unknown; choose fused, fused-all, fused-staged or staged");
   }
 }
 

@@ -71,9 +71,13 @@ int main(int argc, char** argv) {
           "--macrobatch", run.macrobatch,
           "rows of the routed activation ring (0 = the dropless worst case; at least ranks x tokens)")
       ->capture_default_str();
-  run_app->add_option("--kernel", run.kernel, "forward on GPUs: fused (one persistent kernel) | staged")
+  run_app
+      ->add_option("--kernel", run.kernel,
+                   "forward on GPUs: fused (one persistent kernel) | staged | auto (= fused)")
       ->capture_default_str();
-  run_app->add_option("--backward-kernel", run.backward_kernel, "backward on GPUs: fused | staged")
+  run_app
+      ->add_option("--backward-kernel", run.backward_kernel,
+                   "backward on GPUs: auto (by shape) | fused | staged")
       ->capture_default_str();
   add_optional(run_app, check_tokens, "--check-tokens",
                "tokens per rank in the fp64 check (0 = all; default: all on the CPU, 8..64 on GPUs)");
@@ -105,8 +109,10 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->capture_default_str();
   bench_app
-      ->add_option("--impl", bench.impls,
-                   "fused (fused forward, staged backward) | fused-all | staged (a list times each)")
+      ->add_option(
+          "--impl", bench.impls,
+          "fused (the defaults: fused forward, backward by shape) | fused-all | fused-staged (fused forward, "
+          "staged backward) | staged (a list times each)")
       ->delimiter(',')
       ->capture_default_str();
   bench_app

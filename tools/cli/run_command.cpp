@@ -161,10 +161,14 @@ int run_command(const RunOptions& options) {
                 static_cast<unsigned long long>(options.seed));
   out << "backend: " << to_string(setup.backend.backend) << " (" << setup.backend.reason << ")";
   if (on_gpu) {
-    out << "; forward: " << to_string(setup.config.kernel_path)
-        << (setup.config.kernel_path == KernelPath::kFused ? " kernel" : " stage kernels")
+    auto kernels = [](KernelPath path) {
+      return path == KernelPath::kFused    ? " kernel"
+             : path == KernelPath::kStaged ? " stage kernels"
+                                           : " (by shape)";
+    };
+    out << "; forward: " << to_string(setup.config.kernel_path) << kernels(setup.config.kernel_path)
         << ", backward: " << to_string(setup.config.backward_kernel_path)
-        << (setup.config.backward_kernel_path == KernelPath::kFused ? " kernel" : " stage kernels");
+        << kernels(setup.config.backward_kernel_path);
   }
   out << "\n";
   if (!on_gpu) {

@@ -57,6 +57,13 @@ BackendChoice choose_backend(const std::string& requested, const Machine& machin
   return {Backend::kCpu, "no CUDA GPU is visible (no driver, or CUDA_VISIBLE_DEVICES hides them)"};
 }
 
+KernelPath parse_kernel_path(const std::string& name, const char* option) {
+  if (name == "fused") return KernelPath::kFused;
+  if (name == "staged") return KernelPath::kStaged;
+  POUNCE_CHECK(name == "auto", option, " ", name, " is unknown; choose auto, fused or staged");
+  return KernelPath::kAuto;
+}
+
 Activation parse_activation(const std::string& name, std::optional<float> clamp, const Activation& fallback) {
   Activation activation = fallback;
   if (name == "swiglu") {
@@ -143,13 +150,8 @@ RunSetup resolve_run(const RunOptions& options, const BackendChoice& backend, co
   setup.config.backward_comm_sms = options.comm_sms;
   setup.config.minibatch_size = options.minibatch;
   setup.config.macrobatch_size = options.macrobatch;
-  POUNCE_CHECK(options.kernel == "fused" || options.kernel == "staged", "--kernel ", options.kernel,
-               " is unknown; choose fused or staged");
-  setup.config.kernel_path = options.kernel == "fused" ? KernelPath::kFused : KernelPath::kStaged;
-  POUNCE_CHECK(options.backward_kernel == "fused" || options.backward_kernel == "staged",
-               "--backward-kernel ", options.backward_kernel, " is unknown; choose fused or staged");
-  setup.config.backward_kernel_path =
-      options.backward_kernel == "fused" ? KernelPath::kFused : KernelPath::kStaged;
+  setup.config.kernel_path = parse_kernel_path(options.kernel, "--kernel");
+  setup.config.backward_kernel_path = parse_kernel_path(options.backward_kernel, "--backward-kernel");
   setup.config.backend = backend.backend;
   validate(setup.config, shape);
   setup.shape = shape;

@@ -25,11 +25,11 @@ struct RunOptions {
   int comm_sms = 0;
   int64_t minibatch = 0;
   int64_t macrobatch = 0;
-  std::string kernel = "fused";            // fused | staged (GPU forward)
-  std::string backward_kernel = "staged";  // fused | staged (GPU backward)
-  std::optional<int64_t> check_tokens;     // per rank; 0 = all
-  int64_t check_experts = 2;               // per rank
-  int64_t check_rows = 4;                  // per sampled expert
+  std::string kernel = "fused";          // fused | staged | auto (GPU forward)
+  std::string backward_kernel = "auto";  // auto | fused | staged (GPU backward)
+  std::optional<int64_t> check_tokens;   // per rank; 0 = all
+  int64_t check_experts = 2;             // per rank
+  int64_t check_rows = 4;                // per sampled expert
   double tolerance = 2e-2;
   std::string wgrad_dtype = "fp32";
   std::string json;  // "" = none, "-" = stdout
