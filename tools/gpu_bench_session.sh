@@ -31,7 +31,7 @@ bench "bench_ep$ranks" "${BENCH_TIMEOUT_S:-240}" --tokens 8192 --impl fused fuse
   --pass forward
 for log in "$out"/bench_*.log; do
   echo "== $(basename "$log")"
-  grep -E "^(impl|fused|fused-all|staged|baseline) " "$log"
+  grep -E "^(impl|fused|fused-all|fused-staged|staged|baseline) " "$log"
 done
 printf '%s\n' "${summary[@]}"  # last: the tool shows the tail of the output
 exit 0
