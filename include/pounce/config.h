@@ -11,9 +11,8 @@ enum class Precision { kBF16, kFP8 };
 enum class Backend { kAuto, kCpu, kGpu };
 // How the GPU backend runs a pass: one persistent fused kernel between the token-side prologue and epilogue,
 // or the chain of standalone stage kernels (the debugging oracle; bitwise the same result), or kAuto: the
-// one measured faster for the shape (forward: the fused kernel; backward: the fused kernel over several ranks
-// when I >= 1024, where its GEMMs are long and its combine scattered, else the stage kernels; docs/design.md
-// "Fused backward").
+// one measured faster for the shape (forward: the fused kernel; backward: the fused kernel when I >= 1024,
+// where its GEMMs are long, else the stage kernels; docs/design.md "Fused backward").
 enum class KernelPath { kFused, kStaged, kAuto };
 
 struct Config {

@@ -73,11 +73,11 @@ int32_t backward_unit_blocks(const GpuWorkspace& workspace, int comm_ctas) {
 
 }  // namespace
 
-// kAuto: the fused kernel where it measured faster than the stage kernels (2 x H200, EP2, 8192 tokens/rank,
-// bf16 weight gradients, same call; docs/design.md "Fused backward"): over several ranks with I >= 1024, the
-// shapes whose combine scatters (gpt-oss-120b 6.30-6.40 vs 6.57 ms, deepseek-v3 26.3 vs 27.0 ms);
-// qwen3-30b-a3b (I = 768, push combine) keeps the stage kernels (2.60 vs 2.43 ms). One rank was not measured:
-// staged.
+// kAuto: the fused kernel where it measured faster than the stage kernels (2 x H200, 8192 tokens/rank, bf16
+// weight gradients, same call; docs/design.md "Fused backward"): I >= 1024. EP2: gpt-oss-120b 6.30-6.40 vs
+// 6.57 ms, deepseek-v3 26.3 vs 27.0 ms for the backward's kernels; one GPU, fwd+bwd: gpt-oss 12.72 vs 13.02,
+// deepseek 47.12 vs 47.66 ms. qwen3-30b-a3b (I = 768: short GEMMs, the push combine over several ranks)
+// keeps the stage kernels: EP2 2.60 vs 2.43 ms, one GPU fwd+bwd 4.66 vs 4.46 ms.
 bool fused_backward_chosen(const GpuWorkspace& workspace) {
   switch (workspace.config.backward_kernel_path) {
     case KernelPath::kFused:
@@ -87,7 +87,7 @@ bool fused_backward_chosen(const GpuWorkspace& workspace) {
     case KernelPath::kAuto:
       break;
   }
-  return workspace.layout.num_ranks > 1 && workspace.layout.intermediate >= kCommHeavyIntermediate;
+  return workspace.layout.intermediate >= kCommHeavyIntermediate;
 }
 
 void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream) {
