@@ -19,7 +19,7 @@ for preset in qwen3-30b-a3b deepseek-v3; do
     --wgrad-dtype bf16 2>&1 | grep "profile rank 0 forward\|profile rank 0 fused forward inside" | tail -2
 done
 timeout "${BENCH_TIMEOUT_S:-220}" ./build/pounce bench --preset ${BENCH_PRESETS:-qwen3-30b-a3b gpt-oss-120b deepseek-v3} \
-  --tokens 8192 --impl fused fused-all --iters 10 --out "$out/bench_ep2.json" >"$out/bench.log" 2>&1
+  --tokens 8192 --impl fused fused-staged --iters 10 --out "$out/bench_ep2.json" >"$out/bench.log" 2>&1
 summary+=("bench rc=$?")
 suite 2
 SANITIZE_TOOLS="${SANITIZE_TOOLS:-memcheck}" SANITIZE_TIMEOUT_S=90 OUT="$out" tools/gpu_sanitize.sh \

@@ -36,7 +36,7 @@ if [ "${RING_PERF:-1}" = 1 ]; then
 fi
 if [ "${BENCH:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT_S:-220}" ./build/pounce bench --preset ${BENCH_PRESETS:-qwen3-30b-a3b gpt-oss-120b deepseek-v3} \
-    --tokens 8192 --impl fused fused-all --iters 10 --out "$out/bench_ep2.json" >"$out/bench.log" 2>&1
+    --tokens 8192 --impl fused fused-staged --iters 10 --out "$out/bench_ep2.json" >"$out/bench.log" 2>&1
   summary+=("bench rc=$?")
 fi
 printf '%s\n' "${summary[@]}"

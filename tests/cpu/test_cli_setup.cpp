@@ -94,8 +94,8 @@ TEST(CliSetup, CustomShapeNeedsAllDims) {
   EXPECT_THROW(resolve_run(options, choose_backend("cpu", kNoCuda), kNoCuda), Error);
 }
 
-// --kernel picks the forward path, --backward-kernel the backward's (by shape unless asked); a typo names the
-// option and the choices.
+// --kernel picks the forward path, --backward-kernel the backward's (auto, by shape, unless asked); a typo
+// names the option and the choices.
 TEST(CliSetup, KernelPathsPerPass) {
   RunOptions options;
   const RunSetup defaults = resolve_run(options, choose_backend("cpu", kNoCuda), kNoCuda);
@@ -106,6 +106,11 @@ TEST(CliSetup, KernelPathsPerPass) {
   const RunSetup swapped = resolve_run(options, choose_backend("cpu", kNoCuda), kNoCuda);
   EXPECT_EQ(swapped.config.kernel_path, KernelPath::kStaged);
   EXPECT_EQ(swapped.config.backward_kernel_path, KernelPath::kFused);
+  options.kernel = "auto";
+  options.backward_kernel = "staged";
+  const RunSetup chosen = resolve_run(options, choose_backend("cpu", kNoCuda), kNoCuda);
+  EXPECT_EQ(chosen.config.kernel_path, KernelPath::kAuto);
+  EXPECT_EQ(chosen.config.backward_kernel_path, KernelPath::kStaged);
   options.backward_kernel = "fast";
   try {
     resolve_run(options, choose_backend("cpu", kNoCuda), kNoCuda);
@@ -113,7 +118,7 @@ TEST(CliSetup, KernelPathsPerPass) {
   } catch (const Error& error) {
     const std::string message = error.what();
     EXPECT_NE(message.find("--backward-kernel fast"), std::string::npos) << message;
-    EXPECT_NE(message.find("fused or staged"), std::string::npos) << message;
+    EXPECT_NE(message.find("auto, fused or staged"), std::string::npos) << message;
   }
 }
 
