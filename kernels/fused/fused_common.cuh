@@ -402,7 +402,7 @@ __device__ __forceinline__ void run_consumer(const layout::WorkspacePointers& ws
     TaskT task;
     const uint64_t waited_from = profile.now();
     if (!take_over(ws, slots, i, task) || task.kind == decltype(task.kind)::kEnd) {
-      profile.out_of_tasks(profile.now());  // the end task is handed over as soon as the last one is done
+      profile.out_of_tasks(profile.now());  // taken right after the last task: when it ended
       return;
     }
     const uint64_t handed_over = profile.now();
