@@ -57,6 +57,7 @@ struct FusedBackwardParams {
   int32_t comm_ctas;
   int32_t unit_blocks;  // m-blocks per minibatch
   bool push_combine;    // true: communication CTAs push dx_rows; false: d_x epilogues scatter into slots
+  int32_t pull_depth;   // kDeepPullDepth or 8 (fused_pull_depth)
 };
 
 // Kernel parameters above 4 KB need CUDA 12.1+ and a matching driver (this project builds with 13.0).
@@ -113,6 +114,9 @@ struct BackwardScheduler {
   sched::BackwardTaskCursor cursor;
   int32_t checked_weight = -1;  // the (weight kind, group) whose inputs were last found ready
   int32_t checked_group = -1;
+  int32_t ranged_weight = -1;  // the (weight kind, group) whose K range is kb_begin, kb_end below
+  int32_t ranged_group = -1;
+  int32_t kb_begin = 0, kb_end = 0;
   bool all_rows_ready = false;      // the last routed unit pulled: every unit is (each CTA pulls in order)
   bool all_act_grads_done = false;  // every routed d_a tile stored
 
@@ -130,13 +134,9 @@ struct BackwardScheduler {
     return wait_count(p.ws, counters_of(p.ws).first_done(shared, m_block), expected,
                       layout::WaitId::kFusedActGradDone, m_block, left_until(deadline_ns));
   }
-  // act_grads_done for routed m-blocks [m_begin, m_end): once every routed d_a tile is stored (one count
-  // for all, remembered), at once; until then per m-block (a round trip each, between two tiles' loads).
+  // act_grads_done for routed m-blocks [m_begin, m_end), once routed_inputs_all_ready found not every
+  // routed d_a tile stored yet: per m-block (a round trip each, between two tiles' loads).
   __device__ bool routed_act_grads_done(int32_t m_begin, int32_t m_end, uint64_t deadline_ns) {
-    if (!all_act_grads_done) {
-      const uint32_t expected = 2u * static_cast<uint32_t>(shape.data.gate_up_n * shape.data.routed_m_blocks);
-      all_act_grads_done = flags::ld_acquire_gpu(counters_of(p.ws).routed_first_done_total()) >= expected;
-    }
     for (int32_t m = m_begin; !all_act_grads_done && m < m_end; ++m) {
       if (!act_grads_done(false, m, deadline_ns)) return false;
     }
@@ -151,12 +151,35 @@ struct BackwardScheduler {
                       layout::WaitId::kFusedBackwardRowsReady, j, left_until(deadline_ns));
   }
 
+  // Every routed weight-gradient tile of this kind's inputs known ready: one count read until it is, none
+  // after (so a tile of a new expert starts without reading its row offsets).
+  __device__ bool routed_inputs_all_ready(WeightGradKind kind) {
+    if (kind == WeightGradKind::kDown && shape.replay_m_blocks == 0) {  // dy rows, pulled in unit order
+      const int32_t units = shape.data.routed_units();
+      if (!all_rows_ready && units > 0 &&
+          flags::ld_acquire_gpu(counters_of(p.ws).rows_ready(units - 1)) >=
+              static_cast<uint32_t>(p.comm_ctas))
+        all_rows_ready = true;
+      return all_rows_ready;
+    }
+    if (!all_act_grads_done) {  // d_g, d_u (down with a replay: act, which the d_a tiles waited for)
+      const uint32_t expected = 2u * static_cast<uint32_t>(shape.data.gate_up_n * shape.data.routed_m_blocks);
+      all_act_grads_done = flags::ld_acquire_gpu(counters_of(p.ws).routed_first_done_total()) >= expected;
+    }
+    return all_act_grads_done;
+  }
+
   // Inputs of one weight-gradient tile: dy of the expert's units (down) or d_g, d_u of its m-blocks.
   __device__ bool weight_grad_inputs(const BackwardTask& task) {
     const int32_t kind = static_cast<int32_t>(task.weight);
     if (kind == checked_weight && task.group == checked_group) return true;
     if (task.weight == WeightGradKind::kSharedDown) return true;  // sym_d_out and the forward's act
     const bool shared = sched::is_shared(task.weight);
+    if (!shared && routed_inputs_all_ready(task.weight)) {
+      checked_weight = kind;
+      checked_group = task.group;
+      return true;
+    }
     const uint64_t deadline = flags::global_timer_ns() + p.ws.timeout_ns;  // one bound for the whole check
     int32_t m_begin = 0, m_end = shape.data.shared_m_blocks;
     if (!shared) {
@@ -167,11 +190,6 @@ struct BackwardScheduler {
       // act is replayed: the expert's d_a tiles waited for it (and for dy)
       if (!routed_act_grads_done(m_begin, m_end, deadline)) return false;
     } else if (task.weight == WeightGradKind::kDown) {
-      const int32_t units = shape.data.routed_units();
-      if (!all_rows_ready && units > 0 &&
-          flags::ld_acquire_gpu(counters_of(p.ws).rows_ready(units - 1)) >=
-              static_cast<uint32_t>(p.comm_ctas))
-        all_rows_ready = true;
       const int32_t unit_blocks = shape.data.unit_blocks;
       for (int32_t j = m_begin / unit_blocks;
            !all_rows_ready && m_end > m_begin && j <= (m_end - 1) / unit_blocks; ++j) {
@@ -207,6 +225,16 @@ struct BackwardScheduler {
       if (task.kind != BackwardTaskKind::kWeightGrad) break;
       const int32_t* active = p.weight_grad[static_cast<int>(task.weight)].args.group_active;
       if (active == nullptr || active[task.group] != 0) break;
+    }
+    if (task.kind == BackwardTaskKind::kWeightGrad) {
+      // Runs of one expert's tiles share the range: read once per run, here, for producer and consumers.
+      if (static_cast<int32_t>(task.weight) != ranged_weight || task.group != ranged_group) {
+        weight_grad_k_range(p.weight_grad[static_cast<int>(task.weight)].args, task.group, kb_begin, kb_end);
+        ranged_weight = static_cast<int32_t>(task.weight);
+        ranged_group = task.group;
+      }
+      task.kb_begin = kb_begin;
+      task.kb_end = kb_end;
     }
     if (task.kind == BackwardTaskKind::kActGrad || task.kind == BackwardTaskKind::kDataGrad ||
         task.kind == BackwardTaskKind::kReplayGateUp)
@@ -258,12 +286,9 @@ __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss,
       return produce(GemmTag<kActGradGemm>{}, p.act_grad, task.group, 0, k_blocks(p.act_grad.args));
     case BackwardTaskKind::kDataGrad:
       return produce(GemmTag<kDataGradGemm>{}, p.data_grad, task.group, 0, k_blocks(p.data_grad.args));
-    case BackwardTaskKind::kWeightGrad: {
-      const kernels::GemmOperands& o = p.weight_grad[static_cast<int>(task.weight)];
-      int32_t kb_begin, kb_end;
-      weight_grad_k_range(o.args, task.group, kb_begin, kb_end);
-      return produce(GemmTag<kWeightGradGemm>{}, o, task.group, kb_begin, kb_end);
-    }
+    case BackwardTaskKind::kWeightGrad:
+      return produce(GemmTag<kWeightGradGemm>{}, p.weight_grad[static_cast<int>(task.weight)], task.group,
+                     task.kb_begin, task.kb_end);
     case BackwardTaskKind::kReplayGateUp:
       return produce(GemmTag<kReplayGemm>{}, p.replay_gate_up, task.group, 0,
                      k_blocks(p.replay_gate_up.args));
@@ -320,10 +345,8 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
       return consume(GemmTag<kReplayGemm>{}, p.replay_gate_up.args);
     case BackwardTaskKind::kWeightGrad: {
       const GroupedGemmArgs& args = p.weight_grad[static_cast<int>(task.weight)].args;
-      int32_t kb_begin, kb_end;
-      weight_grad_k_range(args, task.group, kb_begin, kb_end);
       return kernels::gemm::consume_tile<kWeightGradGemm>(
-          ss, ring, args, tile, kb_begin, kb_end, consumer_idx,
+          ss, ring, args, tile, task.kb_begin, task.kb_end, consumer_idx,
           kernels::gemm::mma_columns<kWeightGradGemm>(args, tile, consumer_idx, false), acc);
     }
     case BackwardTaskKind::kEnd:
@@ -353,10 +376,25 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       replay.replay = true;
       replay.push_combine = false;
       run_communication(
-          ws, slots.go, replay, role, [&](int64_t row) { dispatch::pull_row<8>(ws, row); }, [](int64_t) {});
+          ws, slots.go, replay, role,
+          [&](int64_t row) {
+            if (params.pull_depth == kDeepPullDepth) {
+              dispatch::pull_row<kDeepPullDepth>(ws, row);
+            } else {
+              dispatch::pull_row<8>(ws, row);
+            }
+          },
+          [](int64_t) {});
     }
     run_communication(
-        ws, slots.go, plan, role, [&](int64_t row) { reverse_combine::pull_scaled_row<8>(ws, row); },
+        ws, slots.go, plan, role,
+        [&](int64_t row) {
+          if (params.pull_depth == kDeepPullDepth) {
+            reverse_combine::pull_scaled_row<kDeepPullDepth>(ws, row);
+          } else {
+            reverse_combine::pull_scaled_row<8>(ws, row);
+          }
+        },
         [&](int64_t row) { combine::push_row<8>(ws, ws.dx_rows, ws.sym_dx_slots, row); });
     // The weight-gradient tail needs no transfer: every SM computes it, as the staged path's GEMMs do.
     turn_to_compute(ss, slots);

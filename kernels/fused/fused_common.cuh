@@ -31,6 +31,10 @@ namespace pounce::fused {
 using kernels::gemm::GemmConfig;
 using kernels::gemm::GroupedGemmArgs;
 inline constexpr int kWarps = GemmConfig::kNumThreads / 32;
+// 16-byte loads in flight per lane when a communication warp pulls a row (dispatch::warp_copy_16b): 16 take a
+// gpt-oss row (5760 B) in one NVLink round trip and a deepseek row (14336 B) in two, where 8 took two and
+// four; each round trip also waits for the row's schedule entry first, so the rounds are most of a pull.
+inline constexpr int kDeepPullDepth = 16;
 
 // A GEMM kind as a type, for generic lambdas that pick the mainloop's instantiation.
 template <kernels::gemm::GemmKind kKind>

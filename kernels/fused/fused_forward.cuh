@@ -36,6 +36,7 @@
 #include "kernels/dispatch/dispatch.cuh"
 #include "kernels/fused/fused_common.cuh"
 #include "kernels/fused/grid_steps.cuh"
+#include "kernels/gemm/gemm_operands.h"
 #include "kernels/sched/forward_tasks.cuh"
 #include "kernels/sched/macrobatch_tasks.cuh"
 
@@ -49,24 +50,22 @@ inline constexpr kernels::gemm::GemmKind kGateUpGemm =
 inline constexpr kernels::gemm::GemmKind kDownGemm =
     kernels::gemm::gemm_kind(kernels::gemm::KernelKind::kForwardStore);
 
-// Operand maps of the four GEMMs (built on the host, src/gpu/fused_forward.cu).
-struct FusedForwardMaps {
-  CUtensorMap x_rows;                               // A of routed gate/up  [rows_capacity, H]
-  CUtensorMap act_rows;                             // A of routed down     [rows_capacity, I]
-  CUtensorMap sym_x;                                // A of shared gate/up  [token_capacity, H]
-  CUtensorMap shared_act;                           // A of shared down     [token_capacity, Is]
-  CUtensorMap gate, up, down;                       // routed weights [El, ., .]
-  CUtensorMap shared_gate, shared_up, shared_down;  // shared weights [1, ., .]
-};
-
 struct FusedForwardParams {
   layout::WorkspacePointers ws;
-  ForwardInputs in;                                            // x, routing, router weights, out
-  GroupedGemmArgs gate_up, down, shared_gate_up, shared_down;  // outputs, extents, activation per GEMM
+  ForwardInputs in;  // x, routing, router weights, out
+  // Operands (maps + arguments) of the four GEMMs, built on the host by the standalone launchers' builders
+  // (kernels/gemm/gemm_operands.h): routed over x_rows / act_rows [ring_rows, .] and the [El, ., .] weights,
+  // shared over sym_x / shared_act [token_capacity, .] (copies of the routed ones without a shared expert:
+  // the list then has no shared tiles).
+  kernels::GemmOperands gate_up, down, shared_gate_up, shared_down;
   int32_t comm_ctas;
   int32_t unit_blocks;  // m-blocks per minibatch
   bool push_combine;    // true: communication CTAs push y_rows; false: down epilogues scatter into slots
+  int32_t pull_depth;   // kDeepPullDepth or 8 (fused_pull_depth)
 };
+
+// Kernel parameters above 4 KB need CUDA 12.1+ and a matching driver (this project builds with 13.0).
+static_assert(sizeof(FusedForwardParams) <= 32764, "fused forward parameters exceed the 32764-byte limit");
 
 __device__ __forceinline__ sched::ForwardTaskShape task_shape_of(const FusedForwardParams& p) {
   sched::ForwardTaskShape shape;
@@ -80,10 +79,10 @@ __device__ __forceinline__ sched::ForwardTaskShape task_shape_of(const FusedForw
   shape.unit_blocks = p.unit_blocks;
   constexpr int kGateUpN = kernels::gemm::kOutBlockN<kGateUpGemm.epilogue>;
   constexpr int kDownN = kernels::gemm::kOutBlockN<kDownGemm.epilogue>;
-  shape.shared_gate_up_n = (p.shared_gate_up.n + kGateUpN - 1) / kGateUpN;
-  shape.shared_down_n = (p.shared_down.n + kDownN - 1) / kDownN;
-  shape.gate_up_n = (p.gate_up.n + kGateUpN - 1) / kGateUpN;
-  shape.down_n = (p.down.n + kDownN - 1) / kDownN;
+  shape.shared_gate_up_n = (p.shared_gate_up.args.n + kGateUpN - 1) / kGateUpN;
+  shape.shared_down_n = (p.shared_down.args.n + kDownN - 1) / kDownN;
+  shape.gate_up_n = (p.gate_up.args.n + kGateUpN - 1) / kGateUpN;
+  shape.down_n = (p.down.args.n + kDownN - 1) / kDownN;
   return shape;
 }
 
@@ -188,23 +187,22 @@ struct ForwardScheduler {
 // Producer thread, then: the task's stages into the ring.
 template <typename TaskT>
 __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss,
-                                             kernels::gemm::RingPosition& ring, const FusedForwardMaps& maps,
-                                             const FusedForwardParams& p, const TaskT& task) {
+                                             kernels::gemm::RingPosition& ring, const FusedForwardParams& p,
+                                             const TaskT& task) {
   const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};  // group: 0 for the shared expert
+  auto produce = [&](auto kind_tag, const kernels::GemmOperands& o) {
+    return kernels::gemm::produce_tile<decltype(kind_tag)::value>(ss, ring, o.a, o.b0, o.b1, o.args, tile, 0,
+                                                                  k_blocks(o.args));
+  };
   switch (task.kind) {
     case TaskKind::kSharedGateUp:
-      return kernels::gemm::produce_tile<kGateUpGemm>(ss, ring, maps.sym_x, maps.shared_gate, maps.shared_up,
-                                                      p.shared_gate_up, tile, 0, k_blocks(p.shared_gate_up));
+      return produce(GemmTag<kGateUpGemm>{}, p.shared_gate_up);
     case TaskKind::kSharedDown:
-      return kernels::gemm::produce_tile<kDownGemm>(ss, ring, maps.shared_act, maps.shared_down,
-                                                    maps.shared_down, p.shared_down, tile, 0,
-                                                    k_blocks(p.shared_down));
+      return produce(GemmTag<kDownGemm>{}, p.shared_down);
     case TaskKind::kGateUp:
-      return kernels::gemm::produce_tile<kGateUpGemm>(ss, ring, maps.x_rows, maps.gate, maps.up, p.gate_up,
-                                                      tile, 0, k_blocks(p.gate_up));
+      return produce(GemmTag<kGateUpGemm>{}, p.gate_up);
     case TaskKind::kDown:
-      return kernels::gemm::produce_tile<kDownGemm>(ss, ring, maps.act_rows, maps.down, maps.down, p.down,
-                                                    tile, 0, k_blocks(p.down));
+      return produce(GemmTag<kDownGemm>{}, p.down);
     case TaskKind::kEnd:
       break;
   }
@@ -224,30 +222,30 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
     return kernels::gemm::mma_columns<decltype(kind_tag)::value>(args, tile, consumer_idx,
                                                                  task.upper_half_padding);
   };
+  // A whole-K tile stored by its GEMM's own epilogue (the standalone kernel's).
+  auto consume = [&](auto kind_tag, const GroupedGemmArgs& args) {
+    return kernels::gemm::consume_tile<decltype(kind_tag)::value>(
+        ss, ring, args, tile, 0, k_blocks(args), consumer_idx, mma_columns(kind_tag, args), acc);
+  };
+  const GroupedGemmArgs& down = p.down.args;
   switch (task.kind) {
     case TaskKind::kSharedGateUp:
       done = counters.first_done(true, task.m_block);
-      return kernels::gemm::consume_tile<kGateUpGemm>(
-          ss, ring, p.shared_gate_up, tile, 0, k_blocks(p.shared_gate_up), consumer_idx,
-          mma_columns(GemmTag<kGateUpGemm>{}, p.shared_gate_up), acc);
+      return consume(GemmTag<kGateUpGemm>{}, p.shared_gate_up.args);
     case TaskKind::kSharedDown:
-      return kernels::gemm::consume_tile<kDownGemm>(ss, ring, p.shared_down, tile, 0, k_blocks(p.shared_down),
-                                                    consumer_idx,
-                                                    mma_columns(GemmTag<kDownGemm>{}, p.shared_down), acc);
+      return consume(GemmTag<kDownGemm>{}, p.shared_down.args);
     case TaskKind::kGateUp:
       done = counters.first_done(false, schedule_block_of(task));
-      return kernels::gemm::consume_tile<kGateUpGemm>(ss, ring, p.gate_up, tile, 0, k_blocks(p.gate_up),
-                                                      consumer_idx,
-                                                      mma_columns(GemmTag<kGateUpGemm>{}, p.gate_up), acc);
+      return consume(GemmTag<kGateUpGemm>{}, p.gate_up.args);
     case TaskKind::kDown:
-      if (!kernels::gemm::multiply_tile<kDownGemm>(ss, ring, p.down, 0, k_blocks(p.down), consumer_idx,
-                                                   mma_columns(GemmTag<kDownGemm>{}, p.down), acc))
+      if (!kernels::gemm::multiply_tile<kDownGemm>(ss, ring, down, 0, k_blocks(down), consumer_idx,
+                                                   mma_columns(GemmTag<kDownGemm>{}, down), acc))
         return false;
       if (p.push_combine) {
-        kernels::gemm::store_tile<kDownGemm>(acc, p.down, tile, true, consumer_idx);
+        kernels::gemm::store_tile<kDownGemm>(acc, down, tile, true, consumer_idx);
         done = counters.rows_done(task.unit);
       } else {
-        store_tile_to_slots(acc, p.ws, p.ws.sym_y_slots, p.down.n, schedule_block_of(task), task.n_block,
+        store_tile_to_slots(acc, p.ws, p.ws.sym_y_slots, down.n, schedule_block_of(task), task.n_block,
                             consumer_idx);
         if constexpr (!std::is_same_v<TaskT, Task>) done = counters.ring_free(macrobatch_of(task));
       }
@@ -357,8 +355,7 @@ __device__ __forceinline__ void run_ring_communication(const layout::WorkspacePo
 // routed rows are a macrobatch ring; the kernel walks its macrobatches (the scan's step plans them).
 template <bool kRing>
 __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
-    fused_forward_kernel(const __grid_constant__ FusedForwardMaps maps,
-                         const __grid_constant__ FusedForwardParams params) {
+    fused_forward_kernel(const __grid_constant__ FusedForwardParams params) {
   using Scheduler = ForwardScheduler<kRing>;
   using TaskT = typename Scheduler::TaskT;
   kernels::gemm::SharedStorage& ss = stage_storage();
@@ -388,13 +385,26 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     if constexpr (kRing) {
       run_ring_communication(
           ws, slots.go, plan, role,
-          [&](int64_t row, int64_t ring_first) { dispatch::pull_row<8>(ws, row, ring_first); },
+          [&](int64_t row, int64_t ring_first) {
+            if (params.pull_depth == kDeepPullDepth) {
+              dispatch::pull_row<kDeepPullDepth>(ws, row, ring_first);
+            } else {
+              dispatch::pull_row<8>(ws, row, ring_first);
+            }
+          },
           [&](int64_t row, int64_t ring_first) {
             combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row, ring_first);
           });
     } else {
       run_communication(
-          ws, slots.go, plan, role, [&](int64_t row) { dispatch::pull_row<8>(ws, row); },
+          ws, slots.go, plan, role,
+          [&](int64_t row) {
+            if (params.pull_depth == kDeepPullDepth) {
+              dispatch::pull_row<kDeepPullDepth>(ws, row);
+            } else {
+              dispatch::pull_row<8>(ws, row);
+            }
+          },
           [&](int64_t row) { combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row); });
     }
     __syncthreads();  // every warp's pushes are issued before warpgroups 1 and 2 arrive for the CTA
@@ -402,13 +412,14 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     return;
   }
   if (threadIdx.x == 0) {
-    for (const CUtensorMap* map : {&maps.x_rows, &maps.act_rows, &maps.gate, &maps.up, &maps.down})
+    for (const CUtensorMap* map :
+         {&params.gate_up.a, &params.gate_up.b0, &params.gate_up.b1, &params.down.a, &params.down.b0})
       kernels::ptx::prefetch_tensor_map(map);
   }
   run_compute_cta(
       ws, slots, scheduler, params,
       [&](const TaskT& task, kernels::gemm::RingPosition& ring) {
-        return produce_task(ss, ring, maps, params, task);
+        return produce_task(ss, ring, params, task);
       },
       [&](const TaskT& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done,
           uint32_t*&) { return consume_task(ss, ring, params, task, warpgroup - 1, acc, done); },

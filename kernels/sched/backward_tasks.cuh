@@ -59,6 +59,10 @@ struct BackwardTask {
                           // fused scheduler, as upper_half_padding (see sched::Task)
   WeightGradKind weight;  // weight only
   bool upper_half_padding;
+  // Weight only, not the list's: the K blocks of the expert's row segment that hold data, found once by the
+  // fused scheduler's producer thread (consumers then start the mainloop without a global load).
+  int32_t kb_begin;
+  int32_t kb_end;
 };
 
 // Output tiles of one weight gradient: groups x [m, n] matrices, m_blocks x n_blocks tiles each.

@@ -43,21 +43,6 @@ constexpr int kBackwardScatterCommCtas = 8;
 constexpr int kOneRankCommCtas = 8;
 constexpr size_t kFusedSharedBytes = kernels::gemm::kSharedBytes;
 
-kernels::gemm::GroupedGemmArgs gemm_args(int64_t n, int64_t k, void* out0, void* out1, void* out2,
-                                         const kernels::ActivationParams& activation, int32_t* error_flag) {
-  kernels::gemm::GroupedGemmArgs args{};
-  args.n = static_cast<int32_t>(n);
-  args.k = static_cast<int32_t>(k);
-  args.k_split = static_cast<int32_t>(k);
-  args.out_ld = n;
-  args.out0 = static_cast<__nv_bfloat16*>(out0);
-  args.out1 = static_cast<__nv_bfloat16*>(out1);
-  args.out2 = static_cast<__nv_bfloat16*>(out2);
-  args.activation = activation;
-  args.error_flag = error_flag;
-  return args;
-}
-
 // POUNCE_PROFILE_STAGES: where the fused kernel's time went, from the %globaltimer stamps of its grid steps
 // (kernels/fused/grid_steps.cuh). Synchronises the stream; skipped while capturing.
 void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) {
@@ -89,8 +74,8 @@ void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) 
 // (kernels/fused/grid_steps.cuh) wait for every CTA, so all must be resident; the launch fails instead of
 // hanging when they cannot be.
 template <bool kRing>
-void launch_fused_kernel(GpuWorkspace& workspace, const fused::FusedForwardMaps& maps,
-                         const fused::FusedForwardParams& params, cudaStream_t stream) {
+void launch_fused_kernel(GpuWorkspace& workspace, const fused::FusedForwardParams& params,
+                         cudaStream_t stream) {
   POUNCE_CUDA(cudaMemsetAsync(params.ws.fused_counters, 0,
                               workspace.layout.fused_counter_words * sizeof(uint32_t), stream));
   cudaLaunchAttribute cooperative{};
@@ -103,8 +88,7 @@ void launch_fused_kernel(GpuWorkspace& workspace, const fused::FusedForwardMaps&
   launch_config.stream = stream;
   launch_config.attrs = &cooperative;
   launch_config.numAttrs = 1;
-  const cudaError_t launched =
-      cudaLaunchKernelEx(&launch_config, fused::fused_forward_kernel<kRing>, maps, params);
+  const cudaError_t launched = cudaLaunchKernelEx(&launch_config, fused::fused_forward_kernel<kRing>, params);
   if (launched == cudaErrorCooperativeLaunchTooLarge) {
     (void)cudaGetLastError();  // clear it: the call fails here, the workspace stays usable
     POUNCE_CHECK(
@@ -133,6 +117,16 @@ int fused_comm_ctas(const GpuWorkspace& workspace, bool push_combine, int config
                         : workspace.layout.num_ranks > 1 ? scatter_ctas
                                                          : kOneRankCommCtas;
   return std::clamp(configured > 0 ? configured : heuristic, 1, std::max(1, workspace.num_sms / 2));
+}
+
+int32_t fused_pull_depth() {
+  if (const char* value = std::getenv("POUNCE_FUSED_PULL_DEPTH")) {
+    const std::string choice(value);
+    POUNCE_CHECK(choice == "8" || choice == "16", "environment POUNCE_FUSED_PULL_DEPTH = '", choice,
+                 "' must be 8 or 16 (or unset for ", fused::kDeepPullDepth, ")");
+    return std::stoi(choice);
+  }
+  return fused::kDeepPullDepth;
 }
 
 int32_t fused_unit_blocks(const GpuWorkspace& workspace, bool push_combine) {
@@ -169,48 +163,44 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   StageTimer timer("forward", p.rank, stream);
   const ForwardLaunch launch = check_forward_args(workspace, args, write_out);
 
-  using kernels::gemm::GemmConfig;
-  fused::FusedForwardMaps maps;
-  maps.x_rows = kernels::activation_rows_map(p.x_rows, p.ring_rows, H);
-  maps.act_rows = kernels::activation_rows_map(p.act_rows, p.ring_rows, I);
-  maps.sym_x = kernels::activation_rows_map(p.local_sym<const void>(p.sym_x), p.token_capacity, H);
-  maps.gate = kernels::weight_rows_map(args.routed.gate.data, El, I, H, GemmConfig::BLOCK_N / 2);
-  maps.up = kernels::weight_rows_map(args.routed.up.data, El, I, H, GemmConfig::BLOCK_N / 2);
-  maps.down = kernels::weight_rows_map(args.routed.down.data, El, H, I, GemmConfig::BLOCK_N);
-  if (Is > 0) {
-    maps.shared_act = kernels::activation_rows_map(p.shared_act, p.token_capacity, Is);
-    maps.shared_gate = kernels::weight_rows_map(args.shared.gate.data, 1, Is, H, GemmConfig::BLOCK_N / 2);
-    maps.shared_up = kernels::weight_rows_map(args.shared.up.data, 1, Is, H, GemmConfig::BLOCK_N / 2);
-    maps.shared_down = kernels::weight_rows_map(args.shared.down.data, 1, H, Is, GemmConfig::BLOCK_N);
-  } else {  // never read: the task list has no shared tiles
-    maps.shared_act = maps.act_rows;
-    maps.shared_gate = maps.gate;
-    maps.shared_up = maps.up;
-    maps.shared_down = maps.down;
-  }
-
   fused::FusedForwardParams params{};
   params.ws = p;
   params.in.x = args.x.data;
   params.in.topk_idx = args.topk_idx.data;
   params.in.num_tokens = launch.num_tokens;
   params.in.idx_int64 = launch.idx_int64;
+  // The staged path's maps and arguments from the same builders, over the routed rows of the ring (all of
+  // them without one) and the rank's own token rows. The tiles take their expert from the scheduler
+  // (find_routed_block), not from the offsets in the arguments.
+  const kernels::GroupedRows routed{p.ring_rows, p.group_row_offset, El, 0, nullptr, p.group_rows};
+  params.gate_up = kernels::gate_up_operands(routed, p.x_rows, args.routed.gate.data, args.routed.up.data,
+                                             p.g_rows, p.u_rows, p.act_rows, I, H, launch.activation);
+  params.down = kernels::store_operands(routed, p.act_rows, args.routed.down.data, p.y_rows, H, I);
+  if (Is > 0) {
+    const kernels::GroupedRows shared{p.token_capacity, p.shared_row_offset, 1, 0};
+    params.shared_gate_up = kernels::gate_up_operands(shared, p.local_sym<const void>(p.sym_x),
+                                                      args.shared.gate.data, args.shared.up.data, p.shared_g,
+                                                      p.shared_u, p.shared_act, Is, H, launch.activation);
+    params.shared_down =
+        kernels::store_operands(shared, p.shared_act, args.shared.down.data, p.shared_y, H, Is);
+  } else {  // never read: the task list has no shared tiles
+    params.shared_gate_up = params.gate_up;
+    params.shared_down = params.down;
+  }
   int32_t* gemm_error = reinterpret_cast<int32_t*>(p.fused_counters + layout::kFusedGemmError);
-  params.gate_up = gemm_args(I, H, p.g_rows, p.u_rows, p.act_rows, launch.activation, gemm_error);
-  params.down = gemm_args(H, I, p.y_rows, nullptr, nullptr, launch.activation, gemm_error);
-  params.shared_gate_up = gemm_args(std::max<int64_t>(Is, 64), H, p.shared_g, p.shared_u, p.shared_act,
-                                    launch.activation, gemm_error);
-  params.shared_down =
-      gemm_args(H, std::max<int64_t>(Is, 64), p.shared_y, nullptr, nullptr, launch.activation, gemm_error);
+  for (kernels::GemmOperands* o :
+       {&params.gate_up, &params.down, &params.shared_gate_up, &params.shared_down})
+    o->args.error_flag = gemm_error;
   params.push_combine = fused_push_combine(workspace);
   params.comm_ctas =
       fused_comm_ctas(workspace, params.push_combine, workspace.config.forward_comm_sms, FusedPass::kForward);
   params.unit_blocks = fused_unit_blocks(workspace, params.push_combine);
+  params.pull_depth = fused_pull_depth();
 
   if (!p.has_ring()) {
-    launch_fused_kernel<false>(workspace, maps, params, stream);
+    launch_fused_kernel<false>(workspace, params, stream);
   } else {
-    launch_fused_kernel<true>(workspace, maps, params, stream);
+    launch_fused_kernel<true>(workspace, params, stream);
     // The backward's view of every macrobatch (kernels/sched/macrobatch_plan.cuh; the kernel planned the same
     // bounds in its scan step)
     constexpr int kPlanThreads = sched::kPlanThreads;

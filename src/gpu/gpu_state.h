@@ -179,5 +179,8 @@ int fused_comm_ctas(const GpuWorkspace& workspace, bool push_combine, int config
 // Config::backward_kernel_path resolved (kAuto by shape: src/gpu/fused_backward.cu).
 bool fused_backward_chosen(const GpuWorkspace& workspace);
 int32_t fused_unit_blocks(const GpuWorkspace& workspace, bool push_combine);
+// 16-byte loads in flight per lane of a communication CTA's row pull: kDeepPullDepth, or
+// POUNCE_FUSED_PULL_DEPTH = 8 | 16.
+int32_t fused_pull_depth();
 
 }  // namespace pounce::gpu
