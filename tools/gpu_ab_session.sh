@@ -26,7 +26,7 @@ for preset in ${AB_PRESETS:-gpt-oss-120b deepseek-v3}; do
       tail -2 | tr '\n' ' ')")
     env "${env_args[@]}" timeout 150 ./build/pounce bench --preset "$preset" --iters 10 --tokens 8192 --impl fused \
       --out "$out/bench_$name.json" >"$out/bench_$name.log" 2>&1
-    summary+=("bench $preset $setting: rc=$? $(grep -E '^fused ' "$out/bench_$name.log" | awk '{print $2, $4, $NF}' |
+    summary+=("bench $preset $setting: rc=$? $(grep -E '^fused ' "$out/bench_$name.log" | awk '{print $2, $7, $9}' |
       tr '\n' ' ')")
   done
 done
