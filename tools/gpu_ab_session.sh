@@ -2,8 +2,9 @@
 # GPU machine, repo root, build folder carried: an A/B of environment settings in one call. Optionally the gpu
 # suite first (SUITE=1); then, for each setting in AB (space-separated NAME=VALUE words, "-" for none), the
 # stage profile (POUNCE_PROFILE_STAGES=1, fwd + bwd, kernel times and the fused tile profile) of each preset in
-# AB_PRESETS and the benchmark (--impl fused, 8192 tokens per rank, same-run baseline; JSON to $OUT). The
-# settings alternate per preset, so drift in the GPUs' clocks spreads over both. A short table last.
+# AB_PRESETS and, unless BENCH=0, the benchmark (--impl fused, 8192 tokens per rank, same-run baseline; JSON to
+# $OUT). A setting --flag=value goes to the profile's command line instead (pounce run options). The settings
+# alternate per preset, so drift in the GPUs' clocks spreads over both. A short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tools/gpu_env.sh
@@ -18,12 +19,17 @@ fi
 for preset in ${AB_PRESETS:-gpt-oss-120b deepseek-v3}; do
   for setting in ${AB:--}; do
     name="${preset}_${setting//[^A-Za-z0-9]/_}"
-    env_args=()
-    [ "$setting" != "-" ] && env_args=("$setting")
+    env_args=() cli_args=()
+    case "$setting" in
+      -) ;;
+      --*) IFS=, read -ra cli_args <<<"${setting/=/,}" ;;  # --flag=value: a command-line option
+      *) env_args=("$setting") ;;
+    esac
     env "${env_args[@]}" POUNCE_PROFILE_STAGES=1 timeout 120 ./build/pounce run --preset "$preset" --tokens 8192 \
-      --check-tokens 8 --iters 2 --wgrad-dtype bf16 >"$out/profile_$name.log" 2>&1
+      --check-tokens 8 --iters 2 --wgrad-dtype bf16 "${cli_args[@]}" >"$out/profile_$name.log" 2>&1
     summary+=("profile $preset $setting: rc=$? $(grep -E 'rank 0 (forward|backward):' "$out/profile_$name.log" |
       tail -2 | tr '\n' ' ')")
+    [ "${BENCH:-1}" = 1 ] || continue
     env "${env_args[@]}" timeout 150 ./build/pounce bench --preset "$preset" --iters 10 --tokens 8192 --impl fused \
       --out "$out/bench_$name.json" >"$out/bench_$name.log" 2>&1
     summary+=("bench $preset $setting: rc=$? $(grep -E '^fused ' "$out/bench_$name.log" | awk '{print $2, $7, $9}' |
