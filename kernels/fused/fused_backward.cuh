@@ -207,35 +207,14 @@ struct BackwardScheduler {
     return true;
   }
 
-  // Nothing waits on a weight-gradient tile, and every ticket after one is another (or past the end): the
-  // next one is claimed while this tile's loads are issued, so its atomic's round trip (~1.6 us under the
-  // tiles' traffic) no longer sits between two tiles. Data tiles are waited on and claim nothing ahead.
-  static constexpr bool kClaimsAhead = true;
-  __device__ ClaimedTicket claim_ahead(const BackwardTask& current) const {
-    if (current.kind != BackwardTaskKind::kWeightGrad) return kNoClaim;
-    return {static_cast<int32_t>(atomicAdd(counters_of(p.ws).ticket(), 1u)),
-            flags::ld_relaxed_gpu(counters_of(p.ws).abort())};
-  }
-
-  __device__ void operator()(BackwardTask& task, ClaimedTicket claimed) {
+  __device__ void operator()(BackwardTask& task) {
     task = BackwardTask{BackwardTaskKind::kEnd, 0, 0, 0, 0, WeightGradKind::kSharedDown};
-    int32_t early = claimed.ticket;
     // A macrobatch's launch skips the weight-gradient tiles of experts it does not hold (group_active).
     for (;;) {
-      // After a failure anywhere, no new tile (tiles without inputs to wait on would never notice). The abort
-      // word is read while the ticket is in flight: one round trip for both (a claimed ticket's was read with
-      // it, one tile earlier).
-      bool stop;
-      int32_t ticket;
-      if (early >= 0) {
-        ticket = early;
-        stop = claimed.abort != 0;
-        early = -1;
-      } else {
-        ticket = static_cast<int32_t>(atomicAdd(counters_of(p.ws).ticket(), 1u));
-        stop = aborted(p.ws);
-      }
-      if (stop) {
+      const int32_t ticket = static_cast<int32_t>(atomicAdd(counters_of(p.ws).ticket(), 1u));
+      // After a failure anywhere, no new tile (tiles without inputs to wait on would never notice). Read
+      // while the ticket is in flight: one round trip for both.
+      if (aborted(p.ws)) {
         task.kind = BackwardTaskKind::kEnd;
         return;
       }

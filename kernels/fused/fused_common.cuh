@@ -18,8 +18,6 @@
 
 #include <cuda.h>
 
-#include <type_traits>
-
 #include <new>
 
 #include "kernels/combine/combine.cuh"
@@ -369,42 +367,24 @@ class TileProfile {
   unsigned long long* slots_;
 };
 
-// A ticket a scheduler took before it was needed, with the abort word read beside it (ticket < 0: none).
-// Both stay in registers until the next task is decoded, so the round trip overlaps the current tile's loads.
-struct ClaimedTicket {
-  int32_t ticket;
-  uint32_t abort;
-};
-inline constexpr ClaimedTicket kNoClaim{-1, 0};
-
 // The producer thread: `next(task)` takes a ticket and waits for the task's inputs (task.kind == kEnd at the
 // end of the list, after a failure, or once any CTA aborted); the task goes to the consumers, the end too;
-// `produce(task, ring)` loads its stages (false: recorded by the stage ring, the CTA's work ends). A
-// scheduler with kClaimsAhead is called as `next(task, claimed)` instead, and `next.claim_ahead(task)` may
-// take the following ticket before the current task's loads are issued (the others keep the two registers:
-// the producer has 40).
+// `produce(task, ring)` loads its stages (false: recorded by the stage ring, the CTA's work ends).
 template <typename TaskT, typename NextTask, typename Produce>
 __device__ __forceinline__ void run_producer(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
                                              NextTask&& next, Produce&& produce) {
-  constexpr bool kClaimsAhead = std::remove_reference_t<NextTask>::kClaimsAhead;
   kernels::gemm::RingPosition ring;
-  [[maybe_unused]] ClaimedTicket claimed = kNoClaim;
   for (uint32_t i = 0;; ++i) {
     TaskT task;
     // The profile's state lives in shared memory and ws: the producer's 40 registers hold nothing more.
     if (ws.profile_tiles != 0) slots.scheduler_start_ns = flags::global_timer_ns();
-    if constexpr (kClaimsAhead) {
-      next(task, claimed);
-    } else {
-      next(task);
-    }
+    next(task);
     if (ws.profile_tiles != 0) {
       TileProfile(ws).scheduled(static_cast<int>(task.kind), slots.scheduler_start_ns,
                                 flags::global_timer_ns());
     }
     kernels::ptx::fence_proxy_async_global();  // rows other CTAs stored (acquired by next), read by TMA
     if (!hand_over(ws, slots, i, task) || task.kind == decltype(task.kind)::kEnd) return;
-    if constexpr (kClaimsAhead) claimed = next.claim_ahead(task);
     if (!produce(task, ring)) {
       fail(ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 0, 1);
       return;

@@ -147,9 +147,6 @@ struct ForwardScheduler {
     return 2u * shape.down_n * static_cast<uint32_t>((bounds[b + 1] - bounds[b]) / GemmConfig::BLOCK_M);
   }
 
-  // Forward tiles are waited on by later ones: a ticket claimed early would hold one back.
-  static constexpr bool kClaimsAhead = false;
-
   __device__ void operator()(TaskT& task) {
     const FusedCounters counters = counters_of(p.ws);
     task = TaskT{};  // kEnd
