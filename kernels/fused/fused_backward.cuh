@@ -378,22 +378,17 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       run_communication(
           ws, slots.go, replay, role,
           [&](int64_t row) {
-            if (params.pull_depth == kDeepPullDepth) {
-              dispatch::pull_row<kDeepPullDepth>(ws, row);
-            } else {
-              dispatch::pull_row<8>(ws, row);
-            }
+            at_pull_depth(params.pull_depth,
+                          [&](auto depth) { dispatch::pull_row<decltype(depth)::value>(ws, row); });
           },
           [](int64_t) {});
     }
     run_communication(
         ws, slots.go, plan, role,
         [&](int64_t row) {
-          if (params.pull_depth == kDeepPullDepth) {
-            reverse_combine::pull_scaled_row<kDeepPullDepth>(ws, row);
-          } else {
-            reverse_combine::pull_scaled_row<8>(ws, row);
-          }
+          at_pull_depth(params.pull_depth, [&](auto depth) {
+            reverse_combine::pull_scaled_row<decltype(depth)::value>(ws, row);
+          });
         },
         [&](int64_t row) { combine::push_row<8>(ws, ws.dx_rows, ws.sym_dx_slots, row); });
     // The weight-gradient tail needs no transfer: every SM computes it, as the staged path's GEMMs do.

@@ -386,11 +386,9 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       run_ring_communication(
           ws, slots.go, plan, role,
           [&](int64_t row, int64_t ring_first) {
-            if (params.pull_depth == kDeepPullDepth) {
-              dispatch::pull_row<kDeepPullDepth>(ws, row, ring_first);
-            } else {
-              dispatch::pull_row<8>(ws, row, ring_first);
-            }
+            at_pull_depth(params.pull_depth, [&](auto depth) {
+              dispatch::pull_row<decltype(depth)::value>(ws, row, ring_first);
+            });
           },
           [&](int64_t row, int64_t ring_first) {
             combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row, ring_first);
@@ -399,11 +397,8 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       run_communication(
           ws, slots.go, plan, role,
           [&](int64_t row) {
-            if (params.pull_depth == kDeepPullDepth) {
-              dispatch::pull_row<kDeepPullDepth>(ws, row);
-            } else {
-              dispatch::pull_row<8>(ws, row);
-            }
+            at_pull_depth(params.pull_depth,
+                          [&](auto depth) { dispatch::pull_row<decltype(depth)::value>(ws, row); });
           },
           [&](int64_t row) { combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row); });
     }
