@@ -112,11 +112,12 @@ struct BackwardScheduler {
   const FusedBackwardParams& p;
   sched::BackwardTaskShape shape;
   sched::BackwardTaskCursor cursor;
-  int32_t checked_weight = -1;  // the (weight kind, group) whose inputs were last found ready
-  int32_t checked_group = -1;
-  int32_t ranged_weight = -1;  // the (weight kind, group) whose K range is kb_begin, kb_end below
-  int32_t ranged_group = -1;
+  // The (weight kind, group) of the last weight-gradient tile: its K range, and whether its inputs were found
+  // ready (tiles come in runs of one expert's, so only a run's first tile reads either).
+  int32_t run_weight = -1;
+  int32_t run_group = -1;
   int32_t kb_begin = 0, kb_end = 0;
+  bool run_inputs_ready = false;
   bool all_rows_ready = false;      // the last routed unit pulled: every unit is (each CTA pulls in order)
   bool all_act_grads_done = false;  // every routed d_a tile stored
 
@@ -137,7 +138,7 @@ struct BackwardScheduler {
   // act_grads_done for routed m-blocks [m_begin, m_end), once routed_inputs_all_ready found not every
   // routed d_a tile stored yet: per m-block (a round trip each, between two tiles' loads).
   __device__ bool routed_act_grads_done(int32_t m_begin, int32_t m_end, uint64_t deadline_ns) {
-    for (int32_t m = m_begin; !all_act_grads_done && m < m_end; ++m) {
+    for (int32_t m = m_begin; m < m_end; ++m) {
       if (!act_grads_done(false, m, deadline_ns)) return false;
     }
     return true;
@@ -169,17 +170,14 @@ struct BackwardScheduler {
     return all_act_grads_done;
   }
 
-  // Inputs of one weight-gradient tile: dy of the expert's units (down) or d_g, d_u of its m-blocks.
+  // Inputs of one weight-gradient tile of the current run: dy of the expert's units (down) or d_g, d_u of its
+  // m-blocks.
   __device__ bool weight_grad_inputs(const BackwardTask& task) {
-    const int32_t kind = static_cast<int32_t>(task.weight);
-    if (kind == checked_weight && task.group == checked_group) return true;
+    if (run_inputs_ready) return true;
     if (task.weight == WeightGradKind::kSharedDown) return true;  // sym_d_out and the forward's act
     const bool shared = sched::is_shared(task.weight);
-    if (!shared && routed_inputs_all_ready(task.weight)) {
-      checked_weight = kind;
-      checked_group = task.group;
-      return true;
-    }
+    if (!shared && routed_inputs_all_ready(task.weight)) return run_inputs_ready = true;
+    // Here not every input of the kind is known ready (all_rows_ready, all_act_grads_done are false).
     const uint64_t deadline = flags::global_timer_ns() + p.ws.timeout_ns;  // one bound for the whole check
     int32_t m_begin = 0, m_end = shape.data.shared_m_blocks;
     if (!shared) {
@@ -191,8 +189,7 @@ struct BackwardScheduler {
       if (!routed_act_grads_done(m_begin, m_end, deadline)) return false;
     } else if (task.weight == WeightGradKind::kDown) {
       const int32_t unit_blocks = shape.data.unit_blocks;
-      for (int32_t j = m_begin / unit_blocks;
-           !all_rows_ready && m_end > m_begin && j <= (m_end - 1) / unit_blocks; ++j) {
+      for (int32_t j = m_begin / unit_blocks; m_end > m_begin && j <= (m_end - 1) / unit_blocks; ++j) {
         if (!rows_ready(j, deadline)) return false;
       }
     } else if (shared) {
@@ -202,9 +199,7 @@ struct BackwardScheduler {
     } else if (!routed_act_grads_done(m_begin, m_end, deadline)) {
       return false;
     }
-    checked_weight = kind;
-    checked_group = task.group;
-    return true;
+    return run_inputs_ready = true;
   }
 
   __device__ void operator()(BackwardTask& task) {
@@ -228,10 +223,11 @@ struct BackwardScheduler {
     }
     if (task.kind == BackwardTaskKind::kWeightGrad) {
       // Runs of one expert's tiles share the range: read once per run, here, for producer and consumers.
-      if (static_cast<int32_t>(task.weight) != ranged_weight || task.group != ranged_group) {
+      if (static_cast<int32_t>(task.weight) != run_weight || task.group != run_group) {
         weight_grad_k_range(p.weight_grad[static_cast<int>(task.weight)].args, task.group, kb_begin, kb_end);
-        ranged_weight = static_cast<int32_t>(task.weight);
-        ranged_group = task.group;
+        run_weight = static_cast<int32_t>(task.weight);
+        run_group = task.group;
+        run_inputs_ready = false;
       }
       task.kb_begin = kb_begin;
       task.kb_end = kb_end;
@@ -303,15 +299,23 @@ __device__ __forceinline__ bool produce_task(kernels::gemm::SharedStorage& ss,
 __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
                                              kernels::gemm::RingPosition& ring, const FusedBackwardParams& p,
                                              const BackwardTask& task, int consumer_idx, float (&acc)[128],
-                                             uint32_t*& done, uint32_t*& done_total) {
+                                             uint32_t*& done, uint32_t*& done_total,
+                                             const TileProfile& profile) {
   const FusedCounters counters = counters_of(p.ws);
   const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};
-  // Every kind's whole-K tile: consume_tile at the width mma_columns gives this warpgroup.
-  auto consume = [&](auto kind_tag, const GroupedGemmArgs& args) {
+  // K blocks [kb_begin, kb_end) at the width mma_columns gives this warpgroup.
+  auto multiply = [&](auto kind_tag, const GroupedGemmArgs& args, int32_t kb_begin, int32_t kb_end,
+                      bool upper_half_padding) {
     constexpr kernels::gemm::GemmKind kKind = decltype(kind_tag)::value;
-    return kernels::gemm::consume_tile<kKind>(
-        ss, ring, args, tile, 0, k_blocks(args), consumer_idx,
-        kernels::gemm::mma_columns<kKind>(args, tile, consumer_idx, task.upper_half_padding), acc);
+    return multiply_task<kKind>(
+        ss, ring, args, kb_begin, kb_end, consumer_idx,
+        kernels::gemm::mma_columns<kKind>(args, tile, consumer_idx, upper_half_padding), acc, profile);
+  };
+  // Every other kind's whole-K tile, stored by its GEMM's own epilogue.
+  auto consume = [&](auto kind_tag, const GroupedGemmArgs& args) {
+    if (!multiply(kind_tag, args, 0, k_blocks(args), task.upper_half_padding)) return false;
+    kernels::gemm::store_tile<decltype(kind_tag)::value>(acc, args, tile, true, consumer_idx);
+    return true;
   };
   switch (task.kind) {
     case BackwardTaskKind::kSharedActGrad:
@@ -326,11 +330,8 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
     case BackwardTaskKind::kSharedDataGrad:
       return consume(GemmTag<kDataGradGemm>{}, p.shared_data_grad.args);
     case BackwardTaskKind::kDataGrad:
-      if (!kernels::gemm::multiply_tile<kDataGradGemm>(
-              ss, ring, p.data_grad.args, 0, k_blocks(p.data_grad.args), consumer_idx,
-              kernels::gemm::mma_columns<kDataGradGemm>(p.data_grad.args, tile, consumer_idx,
-                                                        task.upper_half_padding),
-              acc))
+      if (!multiply(GemmTag<kDataGradGemm>{}, p.data_grad.args, 0, k_blocks(p.data_grad.args),
+                    task.upper_half_padding))
         return false;
       if (p.push_combine) {
         kernels::gemm::store_tile<kDataGradGemm>(acc, p.data_grad.args, tile, true, consumer_idx);
@@ -345,9 +346,9 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
       return consume(GemmTag<kReplayGemm>{}, p.replay_gate_up.args);
     case BackwardTaskKind::kWeightGrad: {
       const GroupedGemmArgs& args = p.weight_grad[static_cast<int>(task.weight)].args;
-      return kernels::gemm::consume_tile<kWeightGradGemm>(
-          ss, ring, args, tile, task.kb_begin, task.kb_end, consumer_idx,
-          kernels::gemm::mma_columns<kWeightGradGemm>(args, tile, consumer_idx, false), acc);
+      if (!multiply(GemmTag<kWeightGradGemm>{}, args, task.kb_begin, task.kb_end, false)) return false;
+      kernels::gemm::store_tile<kWeightGradGemm>(acc, args, tile, task.kb_end > task.kb_begin, consumer_idx);
+      return true;
     }
     case BackwardTaskKind::kEnd:
       break;
@@ -400,8 +401,8 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
         return produce_task(ss, ring, params, task);
       },
       [&](const BackwardTask& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done,
-          uint32_t*& done_total) {
-        return consume_task(ss, ring, params, task, threadIdx.x / 128 - 1, acc, done, done_total);
+          uint32_t*& done_total, const TileProfile& profile) {
+        return consume_task(ss, ring, params, task, threadIdx.x / 128 - 1, acc, done, done_total, profile);
       },
       [] {});
 }

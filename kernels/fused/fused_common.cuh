@@ -105,6 +105,7 @@ struct TaskSlots {
   int32_t role;
   int32_t go;                   // communication CTAs: thread 0's decision, broadcast
   uint64_t scheduler_start_ns;  // under ws.profile_tiles: when the producer asked for its next task
+  uint64_t task_marks[GemmConfig::kNumConsumerWarpgroups][2];  // ... and TileProfile's marks per warpgroup
 };
 inline constexpr uint32_t kTaskReaders = 4 * GemmConfig::kNumConsumerWarpgroups;
 
@@ -343,21 +344,51 @@ struct SchedulerStorage {
 
 // Under ws.profile_tiles, the first thread of each consumer warpgroup adds its time per task kind and its
 // waits for the tasks of each kind to the kFusedTileProfile slots, the producer thread its time finding them.
+// Inside a task it marks (in shared memory, `marks`: no register held across the mainloop) the clock when the
+// first stage was full and when the mainloop ended.
 class TileProfile {
  public:
-  __device__ explicit TileProfile(const layout::WorkspacePointers& ws)
+  __device__ TileProfile(const layout::WorkspacePointers& ws, uint64_t* marks = nullptr)
       : slots_(ws.profile_tiles != 0 && threadIdx.x % 128 == 0
                    ? reinterpret_cast<unsigned long long*>(ws.fused_counters + layout::kFusedTileProfile)
-                   : nullptr) {}
+                   : nullptr),
+        marks_(marks) {}
   __device__ uint64_t now() const { return slots_ != nullptr ? flags::global_timer_ns() : 0; }
-  __device__ void task(int kind, uint64_t handed_over, uint64_t finished) {
+  __device__ uint64_t clock() const { return slots_ != nullptr ? clock64() : 0; }
+  // The task's first stage, once full (the mainloop's own wait then passes at once; a stage that never fills
+  // is left to the mainloop to report). Only for tasks with K blocks.
+  __device__ void mark_first_stage(uint64_t* full, uint32_t phase) const {
+    if (slots_ == nullptr || marks_ == nullptr) return;
+    kernels::ptx::mbarrier_wait_parity_bounded(full, phase, GemmConfig::kWaitTimeoutNs);
+    marks_[0] = clock64();
+  }
+  __device__ void mark_multiplied() const {
+    if (slots_ != nullptr && marks_ != nullptr) marks_[1] = clock64();
+  }
+  __device__ void begin_task() const {
+    if (slots_ != nullptr && marks_ != nullptr) marks_[0] = marks_[1] = 0;
+  }
+  __device__ void task(int kind, uint64_t handed_over, uint64_t finished, uint64_t handed_over_clock) {
     if (slots_ == nullptr || kind < 0 || kind >= layout::kMaxProfiledKinds) return;
+    const uint64_t finished_clock = clock64();
     atomicAdd(slots_ + layout::kProfileKindNs + kind, finished - handed_over);
     atomicAdd(slots_ + layout::kProfileKindTasks + kind, 1ull);
+    atomicAdd(slots_ + layout::kProfileKindClocks + kind, finished_clock - handed_over_clock);
+    if (marks_ != nullptr && marks_[0] != 0 && marks_[1] >= marks_[0]) {
+      atomicAdd(slots_ + layout::kProfileFirstStageClocks + kind, marks_[0] - handed_over_clock);
+      atomicAdd(slots_ + layout::kProfileMainloopClocks + kind, marks_[1] - marks_[0]);
+    }
   }
   __device__ void handoff(int kind, uint64_t from, uint64_t to) {
     if (slots_ == nullptr || kind < 0 || kind >= layout::kMaxProfiledKinds) return;
-    atomicAdd(slots_ + layout::kProfileHandoffNs + kind, to - from);
+    const uint64_t waited = to - from;
+    atomicAdd(slots_ + layout::kProfileHandoffNs + kind, waited);
+    int bin = 0;
+    for (uint64_t limit = layout::kProfileFirstWaitBinNs;
+         bin < layout::kProfileWaitBins - 1 && waited >= limit; limit *= 2)
+      ++bin;
+    atomicAdd(slots_ + layout::kProfileWaitBinTasks + layout::kProfileWaitBins * kind + bin, 1ull);
+    atomicAdd(slots_ + layout::kProfileWaitBinNs + layout::kProfileWaitBins * kind + bin, waited);
   }
   __device__ void scheduled(int kind, uint64_t from, uint64_t to) {
     if (slots_ == nullptr || kind < 0 || kind >= layout::kMaxProfiledKinds) return;
@@ -376,7 +407,22 @@ class TileProfile {
     if (slots_ != nullptr) atomicMax(slots_ + slot, ~static_cast<unsigned long long>(at));
   }
   unsigned long long* slots_;
+  uint64_t* marks_;
 };
+
+// One task's mainloop (kernels::gemm::multiply_tile) between the profile's marks.
+template <kernels::gemm::GemmKind kKind>
+__device__ __forceinline__ bool multiply_task(kernels::gemm::SharedStorage& ss,
+                                              kernels::gemm::RingPosition& ring, const GroupedGemmArgs& args,
+                                              int32_t kb_begin, int32_t kb_end, int consumer_idx,
+                                              int32_t mma_cols, float (&acc)[128],
+                                              const TileProfile& profile) {
+  if (kb_end > kb_begin) profile.mark_first_stage(&ss.full[ring.stage], ring.phase);
+  if (!kernels::gemm::multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, mma_cols, acc))
+    return false;
+  profile.mark_multiplied();
+  return true;
+}
 
 // The producer thread: `next(task)` takes a ticket and waits for the task's inputs (task.kind == kEnd at the
 // end of the list, after a failure, or once any CTA aborted); the task goes to the consumers, the end too;
@@ -403,15 +449,16 @@ __device__ __forceinline__ void run_producer(const layout::WorkspacePointers& ws
   }
 }
 
-// A consumer warpgroup: `consume(task, ring, acc, done, done_total)` multiplies this warpgroup's rows of one
-// task and stores them (false: a stage never filled, recorded); `done`, when set, is the counter to bump once
-// the warpgroup's stores are all issued, `done_total`, when set too, a second one (over all tiles of a kind).
+// A consumer warpgroup: `consume(task, ring, acc, done, done_total, profile)` multiplies this warpgroup's
+// rows of one task and stores them (false: a stage never filled, recorded); `done`, when set, is the counter
+// to bump once the warpgroup's stores are all issued, `done_total`, when set too, a second one (over all
+// tiles of a kind); `profile` takes the task's marks.
 template <typename TaskT, typename Consume>
 __device__ __forceinline__ void run_consumer(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
                                              int consumer_idx, Consume&& consume) {
   kernels::gemm::RingPosition ring;
   float acc[128];
-  TileProfile profile(ws);
+  TileProfile profile(ws, slots.task_marks[consumer_idx]);
   profile.started(profile.now());
   for (uint32_t i = 0;; ++i) {
     TaskT task;
@@ -421,16 +468,18 @@ __device__ __forceinline__ void run_consumer(const layout::WorkspacePointers& ws
       return;
     }
     const uint64_t handed_over = profile.now();
+    const uint64_t handed_over_clock = profile.clock();
     profile.handoff(static_cast<int>(task.kind), waited_from, handed_over);
     if (i == 0) profile.first_task(handed_over);
+    profile.begin_task();
     uint32_t* done = nullptr;
     uint32_t* done_total = nullptr;
-    if (!consume(task, ring, acc, done, done_total)) {
+    if (!consume(task, ring, acc, done, done_total, profile)) {
       fail(ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 1, 0);
       return;
     }
     if (done != nullptr) count_tile_stored(done, done_total, consumer_idx);
-    profile.task(static_cast<int>(task.kind), handed_over, profile.now());
+    profile.task(static_cast<int>(task.kind), handed_over, profile.now(), handed_over_clock);
   }
 }
 

@@ -215,17 +215,22 @@ template <typename TaskT>
 __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
                                              kernels::gemm::RingPosition& ring, const FusedForwardParams& p,
                                              const TaskT& task, int consumer_idx, float (&acc)[128],
-                                             uint32_t*& done) {
+                                             uint32_t*& done, const TileProfile& profile) {
   const FusedCounters counters = counters_of(p.ws);
   const kernels::gemm::Tile tile{task.m_block, task.n_block, task.group};
   auto mma_columns = [&](auto kind_tag, const GroupedGemmArgs& args) {
     return kernels::gemm::mma_columns<decltype(kind_tag)::value>(args, tile, consumer_idx,
                                                                  task.upper_half_padding);
   };
+  auto multiply = [&](auto kind_tag, const GroupedGemmArgs& args) {
+    return multiply_task<decltype(kind_tag)::value>(ss, ring, args, 0, k_blocks(args), consumer_idx,
+                                                    mma_columns(kind_tag, args), acc, profile);
+  };
   // A whole-K tile stored by its GEMM's own epilogue (the standalone kernel's).
   auto consume = [&](auto kind_tag, const GroupedGemmArgs& args) {
-    return kernels::gemm::consume_tile<decltype(kind_tag)::value>(
-        ss, ring, args, tile, 0, k_blocks(args), consumer_idx, mma_columns(kind_tag, args), acc);
+    if (!multiply(kind_tag, args)) return false;
+    kernels::gemm::store_tile<decltype(kind_tag)::value>(acc, args, tile, true, consumer_idx);
+    return true;
   };
   const GroupedGemmArgs& down = p.down.args;
   switch (task.kind) {
@@ -238,9 +243,7 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
       done = counters.first_done(false, schedule_block_of(task));
       return consume(GemmTag<kGateUpGemm>{}, p.gate_up.args);
     case TaskKind::kDown:
-      if (!kernels::gemm::multiply_tile<kDownGemm>(ss, ring, down, 0, k_blocks(down), consumer_idx,
-                                                   mma_columns(GemmTag<kDownGemm>{}, down), acc))
-        return false;
+      if (!multiply(GemmTag<kDownGemm>{}, down)) return false;
       if (p.push_combine) {
         kernels::gemm::store_tile<kDownGemm>(acc, down, tile, true, consumer_idx);
         done = counters.rows_done(task.unit);
@@ -416,8 +419,10 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       [&](const TaskT& task, kernels::gemm::RingPosition& ring) {
         return produce_task(ss, ring, params, task);
       },
-      [&](const TaskT& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done,
-          uint32_t*&) { return consume_task(ss, ring, params, task, warpgroup - 1, acc, done); },
+      [&](const TaskT& task, kernels::gemm::RingPosition& ring, float(&acc)[128], uint32_t*& done, uint32_t*&,
+          const TileProfile& profile) {
+        return consume_task(ss, ring, params, task, warpgroup - 1, acc, done, profile);
+      },
       [&] { finish_forward(ws, warpgroup); });
 }
 

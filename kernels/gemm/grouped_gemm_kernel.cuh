@@ -654,16 +654,6 @@ __device__ __forceinline__ void store_tile_through_smem(const float (&acc)[128],
   }
 }
 
-// Multiply, then store. False when a stage never filled.
-template <GemmKind kKind, typename Ring>
-__device__ __forceinline__ bool consume_tile(SharedStorage& ss, Ring& ring, const GroupedGemmArgs& args,
-                                             const Tile& tile, int32_t kb_begin, int32_t kb_end,
-                                             int consumer_idx, int32_t mma_cols, float (&acc)[128]) {
-  if (!multiply_tile<kKind>(ss, ring, args, kb_begin, kb_end, consumer_idx, mma_cols, acc)) return false;
-  store_tile<kKind>(acc, args, tile, kb_end > kb_begin, consumer_idx);
-  return true;
-}
-
 // Consumer: a warpgroup multiplies its 64 rows of every tile, releasing each stage one K block late so that
 // one wgmma group stays in flight while the next is issued.
 template <GemmKind kKind>

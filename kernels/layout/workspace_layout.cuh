@@ -119,8 +119,20 @@ enum FusedTileProfile : int32_t {
   kProfileFirstTaskInverted = kProfileStartInverted + 1,
   kProfileOutOfTasksInverted,
   kProfileOutOfTasks,
-  kNumProfileSlots
+  // Inside the tasks of kind k, in SM clocks (clock64, summed like the ns): the whole task, from the handover
+  // until its first stage was full, and until its last wgmma retired (the mainloop); the rest is the epilogue
+  // and the count. Clocks over ns is the SM clock the tiles ran at.
+  kProfileKindClocks,
+  kProfileFirstStageClocks = kProfileKindClocks + kMaxProfiledKinds,
+  kProfileMainloopClocks = kProfileFirstStageClocks + kMaxProfiledKinds,
+  // The waits for a task of kind k by length (kProfileWaitBins bins: under 0.25 us, then doubling, the last
+  // open): their number and their ns.
+  kProfileWaitBinTasks = kProfileMainloopClocks + kMaxProfiledKinds,
+  kProfileWaitBinNs = kProfileWaitBinTasks + 8 * kMaxProfiledKinds,
+  kNumProfileSlots = kProfileWaitBinNs + 8 * kMaxProfiledKinds
 };
+inline constexpr int kProfileWaitBins = 8;
+inline constexpr uint64_t kProfileFirstWaitBinNs = 250;
 inline constexpr int64_t kFusedTileProfile = kFusedStepTimes + 2 * kNumStepTimes;  // even
 inline constexpr int64_t kFusedHeaderWords = kFusedTileProfile + 2 * kNumProfileSlots;
 static_assert(kFusedStepTimes % 2 == 0 && kFusedTileProfile % 2 == 0,

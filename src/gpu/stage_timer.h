@@ -107,6 +107,39 @@ inline void report_tile_profile(const layout::WorkspacePointers& p, const char* 
                 100.0 * handoff_ms / std::max(busy_ms + handoff_ms, 1e-9));
   std::fprintf(stderr, "%s%s\n", line.c_str(), tail);
 
+  // Inside the tasks (SM clocks): the clock they ran at, the wait for the first stage, the mainloop, and the
+  // rest (epilogue and count); then the waits for each kind's tasks by length.
+  kind = 0;
+  for (const char* name : kinds) {
+    const unsigned long long tasks = slots[layout::kProfileKindTasks + kind];
+    const double ns = static_cast<double>(slots[layout::kProfileKindNs + kind]);
+    const double clocks = static_cast<double>(slots[layout::kProfileKindClocks + kind]);
+    if (tasks > 0 && ns > 0 && clocks > 0) {
+      const double ghz = clocks / ns;
+      const double first = slots[layout::kProfileFirstStageClocks + kind] / ghz / tasks * 1e-3;
+      const double mainloop = slots[layout::kProfileMainloopClocks + kind] / ghz / tasks * 1e-3;
+      const double whole = ns / tasks * 1e-3;
+      std::string waits;
+      for (int bin = 0; bin < layout::kProfileWaitBins; ++bin) {
+        const unsigned long long n =
+            slots[layout::kProfileWaitBinTasks + layout::kProfileWaitBins * kind + bin];
+        if (n == 0) continue;
+        char item[96];
+        const double from_us = bin == 0 ? 0.0 : (layout::kProfileFirstWaitBinNs << (bin - 1)) * 1e-3;
+        std::snprintf(item, sizeof(item), " %s%.2f us: %llu (%.2f ms)",
+                      bin == 0 ? "<" : ">=", bin == 0 ? layout::kProfileFirstWaitBinNs * 1e-3 : from_us, n,
+                      slots[layout::kProfileWaitBinNs + layout::kProfileWaitBins * kind + bin] * 1e-6);
+        waits += item;
+      }
+      std::fprintf(
+          stderr,
+          "pounce profile rank %d fused %s %s: %.2f GHz, per task %.2f us = first stage %.2f + mainloop "
+          "%.2f + epilogue and count %.2f; waits for it:%s\n",
+          p.rank, pass, name, ghz, whole, first, mainloop, whole - first - mainloop, waits.c_str());
+    }
+    ++kind;
+  }
+
   const uint64_t start = ~slots[layout::kProfileStartInverted];
   auto since_start = [&](uint64_t at) { return at != 0 && at >= start ? (at - start) * 1e-6 : -1.0; };
   std::string timeline = std::string("pounce profile rank ") + std::to_string(p.rank) + " fused " + pass +
