@@ -158,6 +158,7 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
     weight(WeightGradKind::kUp) = routed.up;
     params.push_combine = fused_push_combine(workspace);
     params.pull_depth = fused_pull_depth();
+    params.opening_by_all = fused_opening_by_all(p);
     params.act_prefetch = fused_act_prefetch();
     params.comm_ctas = fused_comm_ctas(workspace, params.push_combine, workspace.config.backward_comm_sms,
                                        FusedPass::kBackward);
