@@ -10,7 +10,7 @@ nccl_lib=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
 [ -d "$nccl_lib" ] && export LD_LIBRARY_PATH="$nccl_lib:${LD_LIBRARY_PATH:-}"
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 [ -x "$sanitizer" ] || { echo "no compute-sanitizer on this machine"; exit 1; }
-filter="${1:-FusedBackward.OneRankSmall:StagedForward.OneRankSmall}"
+filter="${1:-FusedBackward.OneRankSmall:FusedBackward.OneRankSmallRoutedOnly:StagedForward.OneRankSmall}"
 out="${OUT:-/tmp}"
 status=0
 for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do

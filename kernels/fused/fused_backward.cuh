@@ -59,8 +59,6 @@ struct FusedBackwardParams {
   bool push_combine;    // true: communication CTAs push dx_rows; false: d_x epilogues scatter into slots
   int32_t pull_depth;   // kDeepPullDepth or 8 (fused_pull_depth)
   bool opening_by_all;  // every CTA pulls routed unit 0's dy rows (pull_opening_unit); never with a replay
-  bool act_prefetch;    // the activation backward's g and u asked into L2 before its mainloop
-                        // (fused_act_prefetch)
 };
 
 // Kernel parameters above 4 KB need CUDA 12.1+ and a matching driver (this project builds with 13.0).
@@ -315,19 +313,7 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
         ss, ring, args, kb_begin, kb_end, consumer_idx,
         kernels::gemm::mma_columns<kKind>(args, tile, consumer_idx, upper_half_padding), acc, profile);
   };
-  // The activation backward's tile (d_a, then d_g and d_u from the forward's g and u), its g and u asked into
-  // L2 before the mainloop under act_prefetch.
-  auto consume_act_grad = [&](const GroupedGemmArgs& args) {
-    constexpr kernels::gemm::GemmKind kKind = kActGradGemm;
-    if (p.act_prefetch) {
-      kernels::gemm::prefetch_activation_backward_inputs(
-          args, task.m_block, task.n_block * kernels::gemm::kOutBlockN<kKind.epilogue>, consumer_idx);
-    }
-    if (!multiply(GemmTag<kKind>{}, args, 0, k_blocks(args), task.upper_half_padding)) return false;
-    kernels::gemm::store_tile<kKind>(acc, args, tile, true, consumer_idx);
-    return true;
-  };
-  // Every other kind's whole-K tile, stored by its GEMM's own epilogue.
+  // A whole-K tile stored by its GEMM's own epilogue (the standalone kernel's).
   auto consume = [&](auto kind_tag, const GroupedGemmArgs& args) {
     if (!multiply(kind_tag, args, 0, k_blocks(args), task.upper_half_padding)) return false;
     kernels::gemm::store_tile<decltype(kind_tag)::value>(acc, args, tile, true, consumer_idx);
@@ -336,9 +322,9 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
   switch (task.kind) {
     case BackwardTaskKind::kSharedActGrad:
       done = counters.first_done(true, task.m_block);
-      return consume_act_grad(p.shared_act_grad.args);
+      return consume(GemmTag<kActGradGemm>{}, p.shared_act_grad.args);
     case BackwardTaskKind::kActGrad: {
-      const bool consumed = consume_act_grad(p.act_grad.args);
+      const bool consumed = consume(GemmTag<kActGradGemm>{}, p.act_grad.args);
       done = counters.first_done(false, task.m_block);  // set after the mainloop: no registers held across it
       done_total = counters.routed_first_done_total();
       return consumed;

@@ -322,22 +322,6 @@ __device__ __forceinline__ void store_gate_up_tile(const float (&acc)[128], cons
   }
 }
 
-// Asks L2 for the g and u that store_activation_backward_tile will load for this warpgroup's 64 rows of the
-// tile at (m_block, col_block): a thread per (row, tensor), a prefetch per 128-byte line. Issued before the
-// mainloop, the lines arrive from DRAM while it runs, and the epilogue's loads find them in L2.
-__device__ __forceinline__ void prefetch_activation_backward_inputs(const GroupedGemmArgs& args,
-                                                                    int32_t m_block, int32_t col_block,
-                                                                    int consumer_idx) {
-  const int t = threadIdx.x % 128;
-  const int64_t row = static_cast<int64_t>(m_block) * GemmConfig::BLOCK_M + consumer_idx * 64 + t / 2;
-  const __nv_bfloat16* const line0 = (t % 2 == 0 ? args.in0 : args.in1) + row * args.n + col_block;
-  constexpr int kLineElements = 128 / sizeof(__nv_bfloat16);
-#pragma unroll
-  for (int line = 0; line < kOutBlockN<Epilogue::kActivationBackward> / kLineElements; ++line) {
-    if (col_block + line * kLineElements < args.n) ptx::prefetch_l2(line0 + line * kLineElements);
-  }
-}
-
 // d_a = bf16(acc) (the reference's rounding point), then d_g, d_u = bf16(act'(g, u) d_a) with g and u the
 // bf16 values the forward saved at the same (row, column). g and u of kActivationLoadBatch 32-column groups
 // are loaded before any is used: one memory latency per batch instead of one per group (the loads, not the

@@ -71,17 +71,6 @@ int32_t backward_unit_blocks(const GpuWorkspace& workspace, int comm_ctas) {
   return static_cast<int32_t>(std::clamp<int64_t>(blocks, 1, max_m_blocks));
 }
 
-// POUNCE_FUSED_ACT_PREFETCH=0|1: the activation backward's g and u asked into L2 before the mainloop (an A/B
-// knob; docs/design.md "Fused backward").
-bool fused_act_prefetch() {
-  const char* value = std::getenv("POUNCE_FUSED_ACT_PREFETCH");
-  if (value == nullptr) return false;
-  const std::string choice(value);
-  POUNCE_CHECK(choice == "0" || choice == "1", "environment POUNCE_FUSED_ACT_PREFETCH = '", choice,
-               "' must be 0 or 1 (or unset for 0)");
-  return choice == "1";
-}
-
 }  // namespace
 
 // kAuto: the fused kernel where it measured faster than the stage kernels (2 x H200, 8192 tokens/rank, bf16
@@ -159,7 +148,6 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
     params.push_combine = fused_push_combine(workspace);
     params.pull_depth = fused_pull_depth();
     params.opening_by_all = fused_opening_by_all(p);
-    params.act_prefetch = fused_act_prefetch();
     params.comm_ctas = fused_comm_ctas(workspace, params.push_combine, workspace.config.backward_comm_sms,
                                        FusedPass::kBackward);
     params.unit_blocks = backward_unit_blocks(workspace, params.comm_ctas);

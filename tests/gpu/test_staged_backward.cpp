@@ -703,9 +703,9 @@ TEST(FusedBackward, EqualsStagedBitwise) {
 
 // One small case through the fused forward and backward kernels against the reference: the case
 // tools/gpu_sanitize.sh runs under compute-sanitizer (memcheck, racecheck, synccheck).
-void run_one_rank_small(int64_t macrobatch_size, const std::string& name) {
-  const Model m =
-      make_model(make_shape(192, 256, 128, 8, 2, 128, 1), clamped(pounce::Activation::swiglu(), 1.5f), 151);
+void run_one_rank_small(int64_t macrobatch_size, const std::string& name, int64_t shared_intermediate = 128) {
+  const Model m = make_model(make_shape(192, 256, 128, 8, 2, shared_intermediate, 1),
+                             clamped(pounce::Activation::swiglu(), 1.5f), 151);
   pounce::Config config;
   config.kernel_path = config.backward_kernel_path = pounce::KernelPath::kFused;
   config.minibatch_size = pounce::kBlockM;
@@ -751,6 +751,13 @@ TEST(Macrobatches, RingEqualsWorstCaseBitwise) {
 
 // The same small case with the smallest macrobatch ring (256 rows: four macrobatches of two experts), so the
 // sanitizers also see the macrobatch plan, the per-macrobatch launches and the fused backward's replay.
+// Without a shared expert every CTA pulls the first unit (x forward, dy backward: pull_opening_unit); small
+// enough for compute-sanitizer (tools/gpu_sanitize.sh).
+TEST(FusedBackward, OneRankSmallRoutedOnly) {
+  SKIP_UNLESS_GPUS(1);
+  run_one_rank_small(0, "fused backward, one rank, no shared expert", 0);
+}
+
 TEST(FusedBackward, OneRankSmallRing) {
   SKIP_UNLESS_GPUS(1);
   run_one_rank_small(2 * pounce::kBlockM, "fused backward, one rank, ring");
