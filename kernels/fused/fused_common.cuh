@@ -105,7 +105,7 @@ struct TaskSlots {
   int32_t role;
   int32_t go;                   // communication CTAs: thread 0's decision, broadcast
   uint64_t scheduler_start_ns;  // under ws.profile_tiles: when the producer asked for its next task
-  uint64_t task_marks[GemmConfig::kNumConsumerWarpgroups][2];  // ... and TileProfile's marks per warpgroup
+  uint64_t task_marks[GemmConfig::kNumConsumerWarpgroups][3];  // ... and TileProfile's marks per warpgroup
 };
 inline constexpr uint32_t kTaskReaders = 4 * GemmConfig::kNumConsumerWarpgroups;
 
@@ -393,8 +393,12 @@ class TileProfile {
   __device__ void mark_multiplied() const {
     if (slots_ != nullptr && marks_ != nullptr) marks_[1] = clock64();
   }
+  // Every store of the task issued: what follows is the count (count_tile_stored), if the task has one.
+  __device__ void mark_stored() const {
+    if (slots_ != nullptr && marks_ != nullptr) marks_[2] = clock64();
+  }
   __device__ void begin_task() const {
-    if (slots_ != nullptr && marks_ != nullptr) marks_[0] = marks_[1] = 0;
+    if (slots_ != nullptr && marks_ != nullptr) marks_[0] = marks_[1] = marks_[2] = 0;
   }
   __device__ void task(int kind, uint64_t handed_over, uint64_t finished, uint64_t handed_over_clock) {
     if (slots_ == nullptr || kind < 0 || kind >= layout::kMaxProfiledKinds) return;
@@ -405,6 +409,8 @@ class TileProfile {
     if (marks_ != nullptr && marks_[0] != 0 && marks_[1] >= marks_[0]) {
       atomicAdd(slots_ + layout::kProfileFirstStageClocks + kind, marks_[0] - handed_over_clock);
       atomicAdd(slots_ + layout::kProfileMainloopClocks + kind, marks_[1] - marks_[0]);
+      const uint64_t stored = marks_[2] >= marks_[1] ? marks_[2] : finished_clock;
+      atomicAdd(slots_ + layout::kProfileCountClocks + kind, finished_clock - stored);
     }
   }
   __device__ void handoff(int kind, uint64_t from, uint64_t to) {
@@ -506,6 +512,7 @@ __device__ __forceinline__ void run_consumer(const layout::WorkspacePointers& ws
       fail(ws, layout::WaitId::kFusedTaskHandoff, task.m_block, 1, 0);
       return;
     }
+    profile.mark_stored();
     if (done != nullptr) count_tile_stored(done, done_total, consumer_idx);
     profile.task(static_cast<int>(task.kind), handed_over, profile.now(), handed_over_clock);
   }

@@ -121,13 +121,15 @@ enum FusedTileProfile : int32_t {
   kProfileOutOfTasks,
   // Inside the tasks of kind k, in SM clocks (clock64, summed like the ns): the whole task, from the handover
   // until its first stage was full, and until its last wgmma retired (the mainloop); the rest is the epilogue
-  // and the count. Clocks over ns is the SM clock the tiles ran at.
+  // and the count, whose share after the last store is issued is kProfileCountClocks. Clocks over ns is the
+  // SM clock the tiles ran at.
   kProfileKindClocks,
   kProfileFirstStageClocks = kProfileKindClocks + kMaxProfiledKinds,
   kProfileMainloopClocks = kProfileFirstStageClocks + kMaxProfiledKinds,
   // The waits for a task of kind k by length (kProfileWaitBins bins: under 0.25 us, then doubling, the last
   // open): their number and their ns.
-  kProfileWaitBinTasks = kProfileMainloopClocks + kMaxProfiledKinds,
+  kProfileCountClocks = kProfileMainloopClocks + kMaxProfiledKinds,  // stores issued -> counted
+  kProfileWaitBinTasks = kProfileCountClocks + kMaxProfiledKinds,
   kProfileWaitBinNs = kProfileWaitBinTasks + 8 * kMaxProfiledKinds,
   kNumProfileSlots = kProfileWaitBinNs + 8 * kMaxProfiledKinds
 };

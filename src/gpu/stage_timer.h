@@ -107,8 +107,8 @@ inline void report_tile_profile(const layout::WorkspacePointers& p, const char* 
                 100.0 * handoff_ms / std::max(busy_ms + handoff_ms, 1e-9));
   std::fprintf(stderr, "%s%s\n", line.c_str(), tail);
 
-  // Inside the tasks (SM clocks): the clock they ran at, the wait for the first stage, the mainloop, and the
-  // rest (epilogue and count); then the waits for each kind's tasks by length.
+  // Inside the tasks (SM clocks): the clock they ran at, the wait for the first stage, the mainloop, the
+  // epilogue (until its last store is issued) and the count; then the waits for each kind's tasks by length.
   kind = 0;
   for (const char* name : kinds) {
     const unsigned long long tasks = slots[layout::kProfileKindTasks + kind];
@@ -118,6 +118,7 @@ inline void report_tile_profile(const layout::WorkspacePointers& p, const char* 
       const double ghz = clocks / ns;
       const double first = slots[layout::kProfileFirstStageClocks + kind] / ghz / tasks * 1e-3;
       const double mainloop = slots[layout::kProfileMainloopClocks + kind] / ghz / tasks * 1e-3;
+      const double count = slots[layout::kProfileCountClocks + kind] / ghz / tasks * 1e-3;
       const double whole = ns / tasks * 1e-3;
       std::string waits;
       for (int bin = 0; bin < layout::kProfileWaitBins; ++bin) {
@@ -134,8 +135,9 @@ inline void report_tile_profile(const layout::WorkspacePointers& p, const char* 
       std::fprintf(
           stderr,
           "pounce profile rank %d fused %s %s: %.2f GHz, per task %.2f us = first stage %.2f + mainloop "
-          "%.2f + epilogue and count %.2f; waits for it:%s\n",
-          p.rank, pass, name, ghz, whole, first, mainloop, whole - first - mainloop, waits.c_str());
+          "%.2f + epilogue %.2f + count %.2f; waits for it:%s\n",
+          p.rank, pass, name, ghz, whole, first, mainloop, whole - first - mainloop - count, count,
+          waits.c_str());
     }
     ++kind;
   }
