@@ -59,7 +59,6 @@ struct FusedBackwardParams {
   bool push_combine;    // true: communication CTAs push dx_rows; false: d_x epilogues scatter into slots
   int32_t pull_depth;   // kDeepPullDepth or 8 (fused_pull_depth)
   bool opening_by_all;  // every CTA pulls routed unit 0's dy rows (pull_opening_unit); never with a replay
-  bool relay_counts;    // tiles' counts released by a relay warp (run_count_relay; fused_relay_counts)
 };
 
 // Kernel parameters above 4 KB need CUDA 12.1+ and a matching driver (this project builds with 13.0).

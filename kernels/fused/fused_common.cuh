@@ -97,13 +97,6 @@ __device__ __forceinline__ FusedCounters counters_of(const layout::WorkspacePoin
 // lookahead (a separate scheduler thread kTaskSlots = 4 tasks ahead) claimed tiles long before they could
 // run and cost 25-45 % on every preset (docs/design.md).
 inline constexpr int kTaskSlots = 2;
-// A stored tile's counts on their way from a consumer warpgroup to its count relay (run_count_relay).
-struct CountTicket {
-  uint32_t* count;
-  uint32_t* total;  // null: none
-  uint32_t end;     // 1: the warpgroup has no more tiles
-};
-inline constexpr int kCountSlots = 2;
 template <typename TaskT>
 struct TaskSlots {
   TaskT task[kTaskSlots];
@@ -113,15 +106,6 @@ struct TaskSlots {
   int32_t go;                   // communication CTAs: thread 0's decision, broadcast
   uint64_t scheduler_start_ns;  // under ws.profile_tiles: when the producer asked for its next task
   uint64_t task_marks[GemmConfig::kNumConsumerWarpgroups][3];  // ... and TileProfile's marks per warpgroup
-  // Per consumer warpgroup, its count relay's ring: full (1 arrival, the warpgroup's thread 0), empty (1, the
-  // relay), and the tickets the warpgroup's thread 0 has handed over so far.
-  CountTicket count_ticket[GemmConfig::kNumConsumerWarpgroups][kCountSlots];
-  uint64_t count_full[GemmConfig::kNumConsumerWarpgroups][kCountSlots];
-  uint64_t count_empty[GemmConfig::kNumConsumerWarpgroups][kCountSlots];
-  uint32_t counts_handed[GemmConfig::kNumConsumerWarpgroups];
-  // The launch's relay_counts, written by the producer thread before its first task (the consumers read it
-  // from here after their first handoff: as a kernel parameter it would hold a register through their loop).
-  int32_t relay_counts;
 };
 inline constexpr uint32_t kTaskReaders = 4 * GemmConfig::kNumConsumerWarpgroups;
 
@@ -307,64 +291,7 @@ __device__ __forceinline__ void count_tile_stored(uint32_t* count, uint32_t* tot
   }
 }
 
-// Waits for the phase of `bar` with `parity` until it completes (true), another CTA aborted, or `timeout_ns`
-// passed (recorded as kFusedTaskHandoff at `index`): false.
-__device__ __forceinline__ bool wait_parity_or_abort(const layout::WorkspacePointers& ws, uint64_t* bar,
-                                                     uint32_t parity, uint64_t timeout_ns, int64_t index) {
-  const uint64_t start = flags::global_timer_ns();
-  for (uint32_t tries = 1; !kernels::ptx::mbarrier_try_wait_parity(bar, parity); ++tries) {
-    if (tries % 64 != 0) continue;
-    if (aborted(ws)) return false;
-    if (flags::global_timer_ns() - start > timeout_ns) {
-      fail(ws, layout::WaitId::kFusedTaskHandoff, index, 1, 0);
-      return false;
-    }
-  }
-  return true;
-}
-
-// The same count, relayed: the warpgroup's thread 0 hands `count` and `total` (or the end) to the warpgroup's
-// count relay, a warp of the producer warpgroup (run_count_relay), whose GPU-scope release then waits for the
-// stores to reach L2. In count_tile_stored that release held warp 0, and with it the warpgroup's next wgmmas.
-// The named barrier orders the warpgroup's stores before thread 0's arrival (release, CTA scope), the relay
-// acquires it before its release at GPU scope: the same chain as count_tile_stored's, one handoff longer.
-template <typename TaskT>
-__device__ __forceinline__ void relay_tile_stored(const layout::WorkspacePointers& ws,
-                                                  TaskSlots<TaskT>& slots, int consumer_idx, uint32_t* count,
-                                                  uint32_t* total, bool end = false) {
-  if (!end) kernels::ptx::named_barrier_sync(1 + consumer_idx, 128);  // the end orders no stores
-  if (threadIdx.x % 128 != 0) return;
-  const uint32_t k = slots.counts_handed[consumer_idx]++;
-  const uint32_t s = k % kCountSlots;
-  // A relay that never frees the slot has failed or aborted (recorded): the producer then ends the list.
-  if (!wait_parity_or_abort(ws, &slots.count_empty[consumer_idx][s], ((k / kCountSlots) & 1) ^ 1,
-                            2 * ws.timeout_ns, s))
-    return;
-  slots.count_ticket[consumer_idx][s] = CountTicket{count, total, end ? 1u : 0u};
-  kernels::ptx::mbarrier_arrive(&slots.count_full[consumer_idx][s]);
-}
-
-// Lane 0 of warp 1 + consumer_idx of the producer warpgroup: releases the counts of consumer warpgroup
-// consumer_idx's stored tiles in order, until its end ticket or an abort. Its waits span tiles without counts
-// (the backward's weight-gradient tail), so each is bounded by twice the call's timeout from the last ticket.
-template <typename TaskT>
-__device__ __forceinline__ void run_count_relay(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
-                                                int consumer_idx) {
-  for (uint32_t k = 0;; ++k) {
-    const uint32_t s = k % kCountSlots;
-    if (!wait_parity_or_abort(ws, &slots.count_full[consumer_idx][s], (k / kCountSlots) & 1,
-                              2 * ws.timeout_ns, s))
-      return;
-    const CountTicket ticket = slots.count_ticket[consumer_idx][s];
-    kernels::ptx::mbarrier_arrive(&slots.count_empty[consumer_idx][s]);
-    if (ticket.end != 0) return;
-    kernels::ptx::fence_proxy_async_global();
-    flags::red_release_gpu_add(ticket.count, 1u);
-    if (ticket.total != nullptr) flags::red_release_gpu_add(ticket.total, 1u);
-  }
-}
-
-// Thread 0 of a compute CTA: the stage ring's, the task slots' and the count relays' mbarriers.
+// Thread 0 of a compute CTA: the stage ring's and the task slots' mbarriers.
 template <typename TaskT>
 __device__ __forceinline__ void init_compute_barriers(kernels::gemm::SharedStorage& ss,
                                                       TaskSlots<TaskT>& slots) {
@@ -372,13 +299,6 @@ __device__ __forceinline__ void init_compute_barriers(kernels::gemm::SharedStora
   for (int s = 0; s < kTaskSlots; ++s) {
     kernels::ptx::mbarrier_init(&slots.full[s], 1);
     kernels::ptx::mbarrier_init(&slots.empty[s], kTaskReaders);
-  }
-  for (int c = 0; c < GemmConfig::kNumConsumerWarpgroups; ++c) {
-    for (int s = 0; s < kCountSlots; ++s) {
-      kernels::ptx::mbarrier_init(&slots.count_full[c][s], 1);
-      kernels::ptx::mbarrier_init(&slots.count_empty[c][s], 1);
-    }
-    slots.counts_handed[c] = 0;
   }
   kernels::ptx::fence_mbarrier_init();
 }
@@ -579,8 +499,6 @@ __device__ __forceinline__ void run_consumer(const layout::WorkspacePointers& ws
     const uint64_t waited_from = profile.now();
     if (!take_over(ws, slots, i, task) || task.kind == decltype(task.kind)::kEnd) {
       profile.out_of_tasks(profile.now());  // taken right after the last task: when it ended
-      // The relay's end (after a failed handoff too: an aborted relay is not waited for)
-      if (slots.relay_counts != 0) relay_tile_stored(ws, slots, consumer_idx, nullptr, nullptr, /*end=*/true);
       return;
     }
     const uint64_t handed_over = profile.now();
@@ -595,13 +513,7 @@ __device__ __forceinline__ void run_consumer(const layout::WorkspacePointers& ws
       return;
     }
     profile.mark_stored();
-    if (done != nullptr) {
-      if (slots.relay_counts == 0) {
-        count_tile_stored(done, done_total, consumer_idx);
-      } else {
-        relay_tile_stored(ws, slots, consumer_idx, done, done_total);
-      }
-    }
+    if (done != nullptr) count_tile_stored(done, done_total, consumer_idx);
     profile.task(static_cast<int>(task.kind), handed_over, profile.now(), handed_over_clock);
   }
 }
@@ -614,10 +526,10 @@ __device__ __forceinline__ kernels::gemm::SharedStorage& stage_storage() {
 }
 
 // A compute CTA: the producer warpgroup gives registers to the consumers; its thread 0 runs the producer
-// loop with the scheduler built from `params` in shared memory, lanes 0 of its warps 1 and 2 the consumers'
-// count relays (params.relay_counts); the two consumer warpgroups run `consume`, then `finish()`. `finish`
-// runs here, inside the consumers' branch: code after the branches join is compiled for the producer's
-// kProducerRegs registers (ptxas takes the smaller budget at the join) and spills.
+// loop with the scheduler built from `params` in shared memory, the two consumer warpgroups run `consume`,
+// then `finish()`. `finish` runs here, inside the consumers'
+// branch: code after the branches join is compiled for the producer's kProducerRegs registers (ptxas takes
+// the smaller budget at the join) and spills.
 template <typename TaskT, typename Scheduler, typename Params, typename Produce, typename Consume,
           typename Finish>
 __device__ __forceinline__ void run_compute_cta(const layout::WorkspacePointers& ws, TaskSlots<TaskT>& slots,
@@ -626,13 +538,7 @@ __device__ __forceinline__ void run_compute_cta(const layout::WorkspacePointers&
   const int warpgroup_idx = threadIdx.x / 128;
   if (warpgroup_idx == 0) {
     kernels::ptx::setmaxnreg_dec<GemmConfig::kProducerRegs>();
-    const int warp = threadIdx.x / 32;
-    if (threadIdx.x == 0) {
-      slots.relay_counts = params.relay_counts ? 1 : 0;  // published by the first handoff's release
-      run_producer(ws, slots, scheduler.construct(params), produce);
-    } else if (params.relay_counts && threadIdx.x % 32 == 0 && warp <= GemmConfig::kNumConsumerWarpgroups) {
-      run_count_relay(ws, slots, warp - 1);
-    }
+    if (threadIdx.x == 0) run_producer(ws, slots, scheduler.construct(params), produce);
   } else {
     kernels::ptx::setmaxnreg_inc<GemmConfig::kConsumerRegs>();
     run_consumer(ws, slots, warpgroup_idx - 1, consume);

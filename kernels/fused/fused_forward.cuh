@@ -63,7 +63,6 @@ struct FusedForwardParams {
   bool push_combine;    // true: communication CTAs push y_rows; false: down epilogues scatter into slots
   int32_t pull_depth;   // kDeepPullDepth or 8 (fused_pull_depth)
   bool opening_by_all;  // every CTA pulls routed unit 0 (pull_opening_unit); never with kRing
-  bool relay_counts;    // tiles' counts released by a relay warp (run_count_relay; fused_relay_counts)
 };
 
 // Kernel parameters above 4 KB need CUDA 12.1+ and a matching driver (this project builds with 13.0).
@@ -394,8 +393,7 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
                   [&](auto depth) { dispatch::pull_row<decltype(depth)::value>(ws, row); });
   };
   // Without a ring, params.opening_by_all: every CTA pulls the first unit (read from the parameters where
-  // needed: a flag held in a register through the compute CTAs' branch costs the wgmma pipeline its
-  // registers).
+  // needed: a flag held in a register through the compute CTAs' branch costs the wgmma pipeline its registers).
   if (!kRing && params.opening_by_all) {
     if (!wait_schedule_placed(ws, slots.go)) return;
     pull_opening_x_rows(params, role);

@@ -139,16 +139,6 @@ bool fused_opening_by_all(const layout::WorkspacePointers& p) {
   return p.shared_intermediate == 0 && !p.has_ring();
 }
 
-bool fused_relay_counts() {
-  if (const char* value = std::getenv("POUNCE_FUSED_COUNT")) {
-    const std::string choice(value);
-    POUNCE_CHECK(choice == "relay" || choice == "inline", "environment POUNCE_FUSED_COUNT = '", choice,
-                 "' must be relay or inline (or unset for relay)");
-    return choice == "relay";
-  }
-  return true;
-}
-
 int32_t fused_unit_blocks(const GpuWorkspace& workspace, bool push_combine) {
   const int64_t minibatch = workspace.config.minibatch_size;
   const int64_t heuristic_blocks = push_combine ? kPushUnitBlocks : kDefaultUnitBlocks;
@@ -217,7 +207,6 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   params.unit_blocks = fused_unit_blocks(workspace, params.push_combine);
   params.pull_depth = fused_pull_depth();
   params.opening_by_all = fused_opening_by_all(p);
-  params.relay_counts = fused_relay_counts();
 
   if (!p.has_ring()) {
     launch_fused_kernel<false>(workspace, params, stream);

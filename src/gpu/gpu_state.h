@@ -186,8 +186,5 @@ int32_t fused_pull_depth();
 // to start on and without a macrobatch ring, unless POUNCE_FUSED_OPENING = comm (only the communication CTAs,
 // for comparisons; = all is the default).
 bool fused_opening_by_all(const layout::WorkspacePointers& p);
-// Whether a stored tile's counts are released by a relay warp instead of the tile's warpgroup
-// (fused_common.cuh run_count_relay): POUNCE_FUSED_COUNT = relay (the default) | inline, for comparisons.
-bool fused_relay_counts();
 
 }  // namespace pounce::gpu
