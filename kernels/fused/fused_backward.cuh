@@ -58,7 +58,6 @@ struct FusedBackwardParams {
   int32_t unit_blocks;  // m-blocks per minibatch
   bool push_combine;    // true: communication CTAs push dx_rows; false: d_x epilogues scatter into slots
   int32_t pull_depth;   // kDeepPullDepth or 8 (fused_pull_depth)
-  bool opening_by_all;  // every CTA pulls routed unit 0's dy rows (pull_opening_unit); never with a replay
 };
 
 // Kernel parameters above 4 KB need CUDA 12.1+ and a matching driver (this project builds with 13.0).
@@ -149,8 +148,7 @@ struct BackwardScheduler {
                       layout::WaitId::kFusedReplayDone, m_block, left_until(deadline_ns));
   }
   __device__ bool rows_ready(int32_t j, uint64_t deadline_ns = 0) const {
-    return wait_count(p.ws, counters_of(p.ws).rows_ready(j),
-                      rows_ready_expected(p.opening_by_all, p.comm_ctas, j),
+    return wait_count(p.ws, counters_of(p.ws).rows_ready(j), static_cast<uint32_t>(p.comm_ctas),
                       layout::WaitId::kFusedBackwardRowsReady, j, left_until(deadline_ns));
   }
 
@@ -161,7 +159,7 @@ struct BackwardScheduler {
       const int32_t units = shape.data.routed_units();
       if (!all_rows_ready && units > 0 &&
           flags::ld_acquire_gpu(counters_of(p.ws).rows_ready(units - 1)) >=
-              rows_ready_expected(p.opening_by_all, p.comm_ctas, units - 1))
+              static_cast<uint32_t>(p.comm_ctas))
         all_rows_ready = true;
       return all_rows_ready;
     }
@@ -365,18 +363,11 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
   __shared__ SchedulerStorage<BackwardScheduler> scheduler;
 
   const int32_t role = start_cta(params.ws, params.comm_ctas, ss, slots);
-  auto pull_dy_row = [&](int64_t row) {
-    at_pull_depth(params.pull_depth, [&](auto depth) {
-      reverse_combine::pull_scaled_row<decltype(depth)::value>(params.ws, row);
-    });
-  };
-  if (params.opening_by_all) pull_opening_unit(params.ws, task_shape_of(params).data, role, pull_dy_row);
   if (role < params.comm_ctas) {
     const layout::WorkspacePointers& ws = params.ws;
     const sched::BackwardTaskShape shape = task_shape_of(params);
     CommunicationPlan plan;
     plan.shape = shape.data;
-    plan.first_unit = params.opening_by_all ? 1 : 0;
     plan.comm_ctas = params.comm_ctas;
     plan.push_combine = params.push_combine;
     plan.second_tiles_per_block = 2u * plan.shape.down_n;
@@ -393,8 +384,14 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
           },
           [](int64_t) {});
     }
-    run_communication(ws, slots.go, plan, role, pull_dy_row,
-                      [&](int64_t row) { combine::push_row<8>(ws, ws.dx_rows, ws.sym_dx_slots, row); });
+    run_communication(
+        ws, slots.go, plan, role,
+        [&](int64_t row) {
+          at_pull_depth(params.pull_depth, [&](auto depth) {
+            reverse_combine::pull_scaled_row<decltype(depth)::value>(ws, row);
+          });
+        },
+        [&](int64_t row) { combine::push_row<8>(ws, ws.dx_rows, ws.sym_dx_slots, row); });
     // The weight-gradient tail needs no transfer: every SM computes it, as the staged path's GEMMs do.
     turn_to_compute(ss, slots);
   }

@@ -174,48 +174,20 @@ __device__ __forceinline__ void find_routed_block(const layout::WorkspacePointer
       m_block * GemmConfig::BLOCK_M + 64 >= ws.group_row_offset[task.group] + ws.group_rows[task.group];
 }
 
-// The opening unit (routed unit 0) pulled by every CTA of the grid. Without a shared expert the compute CTAs
-// have nothing to do until its rows have landed, and the communication CTAs alone take one NVLink round trip
-// per row and warp for it (gpt-oss: 21 rows per warp, the first tile 55 us into a 2.9 ms forward).
-// rows_ready[0] then counts every CTA instead of the communication CTAs; they pull from unit 1 on
-// (first_unit).
-__device__ __forceinline__ uint32_t rows_ready_expected(bool opening_by_all, int32_t comm_ctas, int32_t j) {
-  return opening_by_all && j == 0 ? gridDim.x : static_cast<uint32_t>(comm_ctas);
-}
-
-// Every CTA, all threads, `role` its rank by arrival: its warps' strided share of the opening unit's rows
-// (`pull_row(row)`), then one count of rows_ready[0] per CTA. Nothing without routed rows (nobody waits).
-template <typename PullRow>
-__device__ __forceinline__ void pull_opening_unit(const layout::WorkspacePointers& ws,
-                                                  const sched::ForwardTaskShape& shape, int32_t role,
-                                                  PullRow&& pull_row) {
-  if (shape.routed_units() == 0) return;
-  const int64_t warp = static_cast<int64_t>(role) * kWarps + threadIdx.x / 32;
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  const int64_t end = static_cast<int64_t>(shape.routed_blocks(0)) * GemmConfig::BLOCK_M;
-  for (int64_t row = warp; row < end; row += num_warps) pull_row(row);
-  __syncthreads();  // this CTA's share has landed
-  if (threadIdx.x == 0) {
-    kernels::ptx::fence_proxy_async_global();
-    flags::red_release_gpu_add(counters_of(ws).rows_ready(0), 1u);
-  }
-}
-
 // The routed units of one call, as the communication CTAs see them.
 struct CommunicationPlan {
   sched::ForwardTaskShape shape;  // routed_m_blocks, unit_blocks
   bool replay = false;            // the pulls count replay_rows_ready instead of rows_ready
-  int32_t first_unit = 0;         // 1: every CTA pulled unit 0 (pull_opening_unit)
   int32_t comm_ctas;
   bool push_combine;
   uint32_t second_tiles_per_block;  // rows_done[j] reaches this times the unit's m-blocks
   layout::WaitId rows_done_wait;
 };
 
-// Communication CTA `comm_idx`: pulls routed unit first_unit, first_unit + 1, ... (`pull_row(row)`, one warp
-// per row, every communication warp a strided share of every unit), bumping rows_ready[j] after each; with
-// the push combine it also pushes (`push_row(row)`) every unit whose second-GEMM tiles are all stored,
-// between pulls and after the last one.
+// Communication CTA `comm_idx`: pulls routed unit 0, 1, ... (`pull_row(row)`, one warp per row, every
+// communication warp a strided share of every unit), bumping rows_ready[j] after each; with the push
+// combine it also pushes (`push_row(row)`) every unit whose second-GEMM tiles are all stored, between pulls
+// and after the last one.
 template <typename PullRow, typename PushRow>
 __device__ __forceinline__ void run_communication(const layout::WorkspacePointers& ws, int32_t& go,
                                                   const CommunicationPlan& plan, int32_t comm_idx,
@@ -243,7 +215,7 @@ __device__ __forceinline__ void run_communication(const layout::WorkspacePointer
   };
 
   int32_t next_push = 0;
-  for (int32_t j = plan.first_unit; j < num_units; ++j) {
+  for (int32_t j = 0; j < num_units; ++j) {
     for_my_rows(j, pull_row);
     __syncthreads();  // this CTA's share of unit j has landed
     if (threadIdx.x == 0) {

@@ -62,7 +62,6 @@ struct FusedForwardParams {
   int32_t unit_blocks;  // m-blocks per minibatch
   bool push_combine;    // true: communication CTAs push y_rows; false: down epilogues scatter into slots
   int32_t pull_depth;   // kDeepPullDepth or 8 (fused_pull_depth)
-  bool opening_by_all;  // every CTA pulls routed unit 0 (pull_opening_unit); never with kRing
 };
 
 // Kernel parameters above 4 KB need CUDA 12.1+ and a matching driver (this project builds with 13.0).
@@ -161,8 +160,7 @@ struct ForwardScheduler {
     if constexpr (kRing) deadline = flags::global_timer_ns() + 2 * p.ws.timeout_ns - p.ws.timeout_ns / 8;
     bool ready = true;
     if (task.kind == TaskKind::kGateUp) {
-      ready = wait_count(p.ws, counters.rows_ready(task.unit),
-                         rows_ready_expected(p.opening_by_all, p.comm_ctas, task.unit),
+      ready = wait_count(p.ws, counters.rows_ready(task.unit), static_cast<uint32_t>(p.comm_ctas),
                          layout::WaitId::kFusedRowsReady, task.unit);
     } else if (task.kind == TaskKind::kDown || task.kind == TaskKind::kSharedDown) {
       const bool shared = task.kind == TaskKind::kSharedDown;
@@ -356,15 +354,6 @@ __device__ __forceinline__ void run_ring_communication(const layout::WorkspacePo
   }
 }
 
-// The forward's pull_opening_unit, out of line: inlined into the kernel its loads in flight take registers
-// that ptxas then lacks for the compute CTAs' wgmma pipeline (C7511).
-__device__ __noinline__ void pull_opening_x_rows(const FusedForwardParams& params, int32_t role) {
-  pull_opening_unit(params.ws, task_shape_of(params), role, [&](int64_t row) {
-    at_pull_depth(params.pull_depth,
-                  [&](auto depth) { dispatch::pull_row<decltype(depth)::value>(params.ws, row); });
-  });
-}
-
 // Launched cooperatively (grid_steps.cuh needs every CTA resident), one CTA per SM. kRing: the workspace's
 // routed rows are a macrobatch ring; the kernel walks its macrobatches (the scan's step plans them).
 template <bool kRing>
@@ -388,21 +377,10 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     return;
   const int32_t role = start_cta(ws, params.comm_ctas, ss, slots);
   const int warpgroup = threadIdx.x / 128;
-  auto pull_x_row = [&](int64_t row) {
-    at_pull_depth(params.pull_depth,
-                  [&](auto depth) { dispatch::pull_row<decltype(depth)::value>(ws, row); });
-  };
-  // Without a ring, params.opening_by_all: every CTA pulls the first unit (read from the parameters where
-  // needed: a flag held in a register through the compute CTAs' branch costs the wgmma pipeline its registers).
-  if (!kRing && params.opening_by_all) {
-    if (!wait_schedule_placed(ws, slots.go)) return;
-    pull_opening_x_rows(params, role);
-  }
   if (role < params.comm_ctas) {
-    if ((kRing || !params.opening_by_all) && !wait_schedule_placed(ws, slots.go)) return;
+    if (!wait_schedule_placed(ws, slots.go)) return;
     CommunicationPlan plan;
     plan.shape = task_shape_of(params);
-    plan.first_unit = !kRing && params.opening_by_all ? 1 : 0;
     plan.comm_ctas = params.comm_ctas;
     plan.push_combine = params.push_combine;
     plan.second_tiles_per_block = 2u * plan.shape.down_n;
@@ -419,8 +397,13 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
             combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row, ring_first);
           });
     } else {
-      run_communication(ws, slots.go, plan, role, pull_x_row,
-                        [&](int64_t row) { combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row); });
+      run_communication(
+          ws, slots.go, plan, role,
+          [&](int64_t row) {
+            at_pull_depth(params.pull_depth,
+                          [&](auto depth) { dispatch::pull_row<decltype(depth)::value>(ws, row); });
+          },
+          [&](int64_t row) { combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row); });
     }
     __syncthreads();  // every warp's pushes are issued before warpgroups 1 and 2 arrive for the CTA
     if (warpgroup > 0) finish_forward(ws, warpgroup);

@@ -147,7 +147,6 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
     weight(WeightGradKind::kUp) = routed.up;
     params.push_combine = fused_push_combine(workspace);
     params.pull_depth = fused_pull_depth();
-    params.opening_by_all = fused_opening_by_all(p);
     params.comm_ctas = fused_comm_ctas(workspace, params.push_combine, workspace.config.backward_comm_sms,
                                        FusedPass::kBackward);
     params.unit_blocks = backward_unit_blocks(workspace, params.comm_ctas);

@@ -129,16 +129,6 @@ int32_t fused_pull_depth() {
   return fused::kDeepPullDepth;
 }
 
-bool fused_opening_by_all(const layout::WorkspacePointers& p) {
-  if (const char* value = std::getenv("POUNCE_FUSED_OPENING")) {
-    const std::string choice(value);
-    POUNCE_CHECK(choice == "all" || choice == "comm", "environment POUNCE_FUSED_OPENING = '", choice,
-                 "' must be all or comm (or unset for all)");
-    if (choice == "comm") return false;
-  }
-  return p.shared_intermediate == 0 && !p.has_ring();
-}
-
 int32_t fused_unit_blocks(const GpuWorkspace& workspace, bool push_combine) {
   const int64_t minibatch = workspace.config.minibatch_size;
   const int64_t heuristic_blocks = push_combine ? kPushUnitBlocks : kDefaultUnitBlocks;
@@ -206,7 +196,6 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
       fused_comm_ctas(workspace, params.push_combine, workspace.config.forward_comm_sms, FusedPass::kForward);
   params.unit_blocks = fused_unit_blocks(workspace, params.push_combine);
   params.pull_depth = fused_pull_depth();
-  params.opening_by_all = fused_opening_by_all(p);
 
   if (!p.has_ring()) {
     launch_fused_kernel<false>(workspace, params, stream);

@@ -182,9 +182,5 @@ int32_t fused_unit_blocks(const GpuWorkspace& workspace, bool push_combine);
 // 16-byte loads in flight per lane of a communication CTA's row pull: kDeepPullDepth, or
 // POUNCE_FUSED_PULL_DEPTH = 8 | 16.
 int32_t fused_pull_depth();
-// Whether every CTA pulls the first routed unit (fused_common.cuh pull_opening_unit): without a shared expert
-// to start on and without a macrobatch ring, unless POUNCE_FUSED_OPENING = comm (only the communication CTAs,
-// for comparisons; = all is the default).
-bool fused_opening_by_all(const layout::WorkspacePointers& p);
 
 }  // namespace pounce::gpu
