@@ -751,8 +751,8 @@ TEST(Macrobatches, RingEqualsWorstCaseBitwise) {
 
 // The same small case with the smallest macrobatch ring (256 rows: four macrobatches of two experts), so the
 // sanitizers also see the macrobatch plan, the per-macrobatch launches and the fused backward's replay.
-// Without a shared expert the fused kernels' tiles start on routed rows alone (no shared tiles cover the first
-// pulls); small enough for compute-sanitizer (tools/gpu_sanitize.sh).
+// Without a shared expert the fused kernels' tiles start on routed rows alone (no shared tiles cover the
+// first pulls); small enough for compute-sanitizer (tools/gpu_sanitize.sh).
 TEST(FusedBackward, OneRankSmallRoutedOnly) {
   SKIP_UNLESS_GPUS(1);
   run_one_rank_small(0, "fused backward, one rank, no shared expert", 0);
