@@ -345,7 +345,7 @@ struct SchedulerStorage {
 // Under ws.profile_tiles, the first thread of each consumer warpgroup adds its time per task kind and its
 // waits for the tasks of each kind to the kFusedTileProfile slots, the producer thread its time finding them.
 // Inside a task it marks (in shared memory, `marks`: no register held across the mainloop) the clock when the
-// first stage was full and when the mainloop ended.
+// first stage was full, when the mainloop ended and when the last store was issued.
 class TileProfile {
  public:
   __device__ TileProfile(const layout::WorkspacePointers& ws, uint64_t* marks = nullptr)

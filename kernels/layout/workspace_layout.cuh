@@ -108,6 +108,8 @@ inline constexpr int64_t kFusedStepTimes = kFusedGridReleased + kNumGridSteps;  
 // (mainloop, epilogue, count), their number, the ns spent waiting for them to be handed over, and the ns the
 // producers spent finding them (ticket, decode, waits for their inputs).
 inline constexpr int kMaxProfiledKinds = 8;
+inline constexpr int kProfileWaitBins = 8;               // waits by length: under 0.25 us, then doubling
+inline constexpr uint64_t kProfileFirstWaitBinNs = 250;  // ... the last bin open
 enum FusedTileProfile : int32_t {
   kProfileKindNs = 0,
   kProfileKindTasks = kMaxProfiledKinds,
@@ -126,15 +128,12 @@ enum FusedTileProfile : int32_t {
   kProfileKindClocks,
   kProfileFirstStageClocks = kProfileKindClocks + kMaxProfiledKinds,
   kProfileMainloopClocks = kProfileFirstStageClocks + kMaxProfiledKinds,
-  // The waits for a task of kind k by length (kProfileWaitBins bins: under 0.25 us, then doubling, the last
-  // open): their number and their ns.
   kProfileCountClocks = kProfileMainloopClocks + kMaxProfiledKinds,  // stores issued -> counted
+  // The waits for a task of kind k by length (kProfileWaitBins bins): their number and their ns.
   kProfileWaitBinTasks = kProfileCountClocks + kMaxProfiledKinds,
-  kProfileWaitBinNs = kProfileWaitBinTasks + 8 * kMaxProfiledKinds,
-  kNumProfileSlots = kProfileWaitBinNs + 8 * kMaxProfiledKinds
+  kProfileWaitBinNs = kProfileWaitBinTasks + kProfileWaitBins * kMaxProfiledKinds,
+  kNumProfileSlots = kProfileWaitBinNs + kProfileWaitBins * kMaxProfiledKinds
 };
-inline constexpr int kProfileWaitBins = 8;
-inline constexpr uint64_t kProfileFirstWaitBinNs = 250;
 inline constexpr int64_t kFusedTileProfile = kFusedStepTimes + 2 * kNumStepTimes;  // even
 inline constexpr int64_t kFusedHeaderWords = kFusedTileProfile + 2 * kNumProfileSlots;
 static_assert(kFusedStepTimes % 2 == 0 && kFusedTileProfile % 2 == 0,
