@@ -38,7 +38,7 @@ for preset in ${AB_PRESETS:-gpt-oss-120b deepseek-v3}; do
 done
 for log in "$out"/profile_*.log; do
   echo "== $(basename "$log")"
-  grep -E "rank 0" "$log" | grep -E "fused|tile|waited|forward:|backward:" | head -${PROFILE_LINES:-8}
+  grep -E "rank 0" "$log" | grep -E "fused|tile|waited|forward:|backward:" | head -${PROFILE_LINES:-40}
 done
 printf '%s\n' "${summary[@]}"
 exit 0
