@@ -3,35 +3,45 @@
 # suite first (SUITE=1); then, for each setting in AB (space-separated NAME=VALUE words, "-" for none), the
 # stage profile (POUNCE_PROFILE_STAGES=1, fwd + bwd, kernel times and the fused tile profile) of each preset in
 # AB_PRESETS and, unless BENCH=0, the benchmark (--impl fused, 8192 tokens per rank, same-run baseline; JSON to
-# $OUT). A setting --flag=value goes to the profile's command line instead (pounce run options). The settings
-# alternate per preset, so drift in the GPUs' clocks spreads over both. A short table last.
+# $OUT). A setting --flag=value goes to the profile's command line instead (pounce run options), a setting
+# @DIR runs the binary of another build folder (carried too: DIR/pounce, DIR/tests/pounce_gpu_tests). The
+# settings alternate per preset, so drift in the GPUs' clocks spreads over both. SUITE_BUILDS lists the build
+# folders whose gpu suite runs (SUITE=1: build), a folder twice for two runs. BENCH_PASS (all)
+# and BENCH_ARGS (e.g. --no-baseline) go to the benchmark. A short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tools/gpu_env.sh
 out="${OUT:-/tmp/pounce_out}"
 mkdir -p "$out"
 summary=()
-if [ "${SUITE:-0}" = 1 ]; then
-  timeout 260 ./build/tests/pounce_gpu_tests >"$out/gpu_suite.log" 2>&1
-  summary+=("gpu suite: rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/gpu_suite.log" | tr '\n' ' ')")
-  grep -E "^\[  FAILED|Failure" "$out/gpu_suite.log" | head -12
-fi
+suite_builds="${SUITE_BUILDS:-}"
+[ "${SUITE:-0}" = 1 ] && [ -z "$suite_builds" ] && suite_builds=build
+run=0
+for dir in $suite_builds; do
+  run=$((run + 1))
+  log="$out/gpu_suite_${run}_$dir.log"
+  timeout 260 "./$dir/tests/pounce_gpu_tests" >"$log" 2>&1
+  summary+=("gpu suite $dir: rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$log" | tr '\n' ' ')")
+  grep -E "^\[  FAILED|Failure" "$log" | head -12
+done
 for preset in ${AB_PRESETS:-gpt-oss-120b deepseek-v3}; do
   for setting in ${AB:--}; do
     name="${preset}_${setting//[^A-Za-z0-9]/_}"
-    env_args=() cli_args=()
+    env_args=() cli_args=() binary=./build/pounce
     case "$setting" in
       -) ;;
+      @*) binary="./${setting#@}/pounce" ;;  # @DIR: another build's binary
       --*) IFS=, read -ra cli_args <<<"${setting/=/,}" ;;  # --flag=value: a command-line option
       *) env_args=("$setting") ;;
     esac
-    env "${env_args[@]}" POUNCE_PROFILE_STAGES=1 timeout 120 ./build/pounce run --preset "$preset" --tokens 8192 \
+    env "${env_args[@]}" POUNCE_PROFILE_STAGES=1 timeout 120 "$binary" run --preset "$preset" --tokens 8192 \
       --check-tokens 8 --iters 2 --wgrad-dtype bf16 "${cli_args[@]}" >"$out/profile_$name.log" 2>&1
     summary+=("profile $preset $setting: rc=$? $(grep -E 'rank 0 (forward|backward):' "$out/profile_$name.log" |
       tail -2 | tr '\n' ' ')")
     [ "${BENCH:-1}" = 1 ] || continue
-    env "${env_args[@]}" timeout 150 ./build/pounce bench --preset "$preset" --iters 10 --tokens 8192 --impl fused \
-      --out "$out/bench_$name.json" >"$out/bench_$name.log" 2>&1
+    env "${env_args[@]}" timeout 150 "$binary" bench --preset "$preset" --iters 10 --tokens 8192 --impl fused \
+      --pass "${BENCH_PASS:-all}" ${BENCH_ARGS:-} --out "$out/bench_$name.json" \
+      >"$out/bench_$name.log" 2>&1
     summary+=("bench $preset $setting: rc=$? $(grep -E '^fused ' "$out/bench_$name.log" | awk '{print $2, $7, $9}' |
       tr '\n' ' ')")
   done
