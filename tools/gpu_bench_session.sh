@@ -4,7 +4,9 @@
 # same-run PyTorch baseline (EP = the GPU count, 8192 tokens per rank, forward and forward+backward, both
 # backward paths: JSON + PNG to $OUT, named bench_ep<N>), then, while the call's time allows (DEADLINE_S, 540
 # unless set; BENCH_TIMEOUT_S bounds the first benchmark, 240 s), the forward at 16384 tokens per rank and on
-# one GPU. A short table last. On nvidia-h200-x4 / -x8 this is issue #7's call as it stands.
+# one GPU (where there are more). SUITE_RUNS runs the suite that many times (1), SANITIZE=1 adds
+# tools/gpu_sanitize.sh after it. A short table last. On nvidia-h200-x4 / -x8 this is issue #7's call as it
+# stands.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tools/gpu_env.sh
@@ -15,9 +17,16 @@ left() { echo $(( ${DEADLINE_S:-540} - ($(date +%s) - start) )); }
 ranks=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
 summary=("GPUs: $ranks")
 presets="${BENCH_PRESETS:-qwen3-30b-a3b gpt-oss-120b deepseek-v3}"
-timeout 260 ./build/tests/pounce_gpu_tests >"$out/gpu_suite.log" 2>&1
-summary+=("gpu suite: rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/gpu_suite.log" | tr '\n' ' ')")
-grep -E "^\[  FAILED|Failure" "$out/gpu_suite.log" | head -12
+for run in $(seq "${SUITE_RUNS:-1}"); do
+  timeout 260 ./build/tests/pounce_gpu_tests >"$out/gpu_suite_$run.log" 2>&1
+  summary+=("gpu suite run $run: rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/gpu_suite_$run.log" |
+    tr '\n' ' ')")
+  grep -E "^\[  FAILED|Failure" "$out/gpu_suite_$run.log" | head -12
+done
+if [ "${SANITIZE:-0}" = 1 ]; then
+  OUT="$out" tools/gpu_sanitize.sh >"$out/sanitize.txt" 2>&1
+  summary+=("compute-sanitizer (small one-rank cases): rc=$? $(tr '\n' ' ' <"$out/sanitize.txt")")
+fi
 bench() {  # name, timeout, extra arguments
   local name=$1 limit=$2
   shift 2
@@ -27,7 +36,7 @@ bench() {  # name, timeout, extra arguments
 }
 bench "bench_ep$ranks" "${BENCH_TIMEOUT_S:-240}" --tokens 8192 --impl fused fused-staged
 [ "$(left)" -gt 100 ] && bench "bench_ep${ranks}_16384_forward" 95 --tokens 16384 --impl fused --pass forward
-[ "$(left)" -gt 70 ] && CUDA_VISIBLE_DEVICES=0 bench bench_ep1_forward 65 --ranks 1 --tokens 8192 --impl fused \
+[ "$ranks" -gt 1 ] && [ "$(left)" -gt 70 ] && CUDA_VISIBLE_DEVICES=0 bench bench_ep1_forward 65 --ranks 1 --tokens 8192 --impl fused \
   --pass forward
 for log in "$out"/bench_*.log; do
   echo "== $(basename "$log")"
