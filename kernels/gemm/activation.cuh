@@ -14,8 +14,9 @@ namespace pounce::kernels::gemm {
 // the instructions. The host keeps the exact forms.
 __host__ __device__ inline float sigmoid(float x) {
 #ifdef __CUDA_ARCH__
-  // __expf(-x) is ex2.approx((-x) log2(e)) with two extra steps that keep a denormal result (input below -126);
-  // 1 + such a result is 1 either way, so the flushing form gives the same sigmoid in three fewer instructions.
+  // __expf(-x) is ex2.approx((-x) log2(e)) with two extra steps that keep a denormal result (input below
+  // -126); 1 + such a result is 1 either way, so the flushing form gives the same sigmoid in three fewer
+  // instructions.
   float e;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"((-x) * 1.4426950408889634f));
   return __fdividef(1.0f, 1.0f + e);
