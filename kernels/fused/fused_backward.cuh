@@ -58,9 +58,6 @@ struct FusedBackwardParams {
   int32_t unit_blocks;  // m-blocks per minibatch
   bool push_combine;    // true: communication CTAs push dx_rows; false: d_x epilogues scatter into slots
   int32_t pull_depth;   // kDeepPullDepth or 8 (fused_pull_depth)
-  // false: the list holds no weight-gradient tile; the standalone weight-gradient GEMMs run after the launch
-  // (src/gpu/fused_backward.cu, fused_weight_grads_in_kernel).
-  bool weight_grads_in_kernel;
 };
 
 // Kernel parameters above 4 KB need CUDA 12.1+ and a matching driver (this project builds with 13.0).
@@ -94,8 +91,7 @@ __device__ __forceinline__ sched::BackwardTaskShape task_shape_of(const FusedBac
   for (int w = 0; w < sched::kNumWeightGrads; ++w) {
     const GroupedGemmArgs& args = p.weight_grad[w].args;
     const bool shared = sched::is_shared(static_cast<WeightGradKind>(w));
-    shape.weight[w].groups =
-        !p.weight_grads_in_kernel ? 0 : shared ? (has_shared ? 1 : 0) : p.ws.num_local_experts;
+    shape.weight[w].groups = shared ? (has_shared ? 1 : 0) : p.ws.num_local_experts;
     shape.weight[w].m_blocks = (args.m + GemmConfig::BLOCK_M - 1) / GemmConfig::BLOCK_M;
     shape.weight[w].n_blocks = n_blocks(args);
   }

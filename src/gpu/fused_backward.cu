@@ -1,9 +1,7 @@
 // The fused backward (DESIGN.md §2, issue #5): the shared prologue (stage d_out and the router weights,
 // router gradient, inputs barrier), then ONE persistent kernel for the reverse-combine pull, the shared
 // expert's backward, d_a + activation backward, d_x, the reverse-dispatch push and every weight gradient
-// (kernels/fused/fused_backward.cuh; or the weight gradients by the standalone GEMMs right after it, where
-// their ping-pong tiles are the faster ones: fused_weight_grads_in_kernel), then the combine barrier and the
-// d_x sum. With a macrobatch ring, one
+// (kernels/fused/fused_backward.cuh), then the combine barrier and the d_x sum. With a macrobatch ring, one
 // launch per possible macrobatch, last first; each replays its macrobatch's forward rows inside (pull x,
 // gate/up + activation ahead of the backward tiles) unless it is the resident last one, and the staged
 // replay kernels restore that one at the end. Stream-ordered, nothing allocated, no routing count read on the
@@ -18,8 +16,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 #include <vector>
 
 #include "kernels/fused/fused_backward.cuh"
@@ -75,22 +71,6 @@ int32_t backward_unit_blocks(const GpuWorkspace& workspace, int comm_ctas) {
   return static_cast<int32_t>(std::clamp<int64_t>(blocks, 1, max_m_blocks));
 }
 
-// Whether the kernel computes the weight gradients (its cooperative tiles, handed out after every d_x tile) or
-// leaves them to the standalone weight-gradient GEMMs launched right after it on every SM. Those run the
-// ping-pong tiles where the rows per expert are few (MlpBackward::weight_grad_schedule, up to 768): one
-// warpgroup's stores there run under the other's mainloop, while the kernel's cooperative tiles (8 K blocks at
-// EP2) spend 2.1 of 7.6 us in their first stage and epilogue with the tensor cores idle. Bitwise the same sums
-// either way. POUNCE_FUSED_WEIGHT_GRADS=kernel|after overrides.
-bool fused_weight_grads_in_kernel(const MlpBackward& routed) {
-  if (const char* value = std::getenv("POUNCE_FUSED_WEIGHT_GRADS")) {
-    const std::string choice(value);
-    POUNCE_CHECK(choice == "kernel" || choice == "after", "environment POUNCE_FUSED_WEIGHT_GRADS = '", choice,
-                 "' must be kernel or after (or unset for the choice by rows per expert)");
-    return choice == "kernel";
-  }
-  return routed.weight_grad_schedule == kernels::TileSchedule::kCooperative;
-}
-
 }  // namespace
 
 // kAuto: the fused kernel where it measured faster than the stage kernels (2 x H200, 8192 tokens/rank, bf16
@@ -133,13 +113,10 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
                                     : MlpOperands{};
   // One launch per possible macrobatch, last first (one without a ring); macrobatch b's routed operands.
   std::vector<fused::FusedBackwardParams> launches;
-  std::vector<MlpBackward> routed_rows;  // per launch: its weight gradients when the kernel leaves them out
-  const bool weight_grads_in_kernel = fused_weight_grads_in_kernel(routed_mlp_backward(p, args, 0));
   for (int32_t b = p.max_macrobatches - 1; b >= 0; --b) {
     const layout::WorkspacePointers mb = p.macrobatch(b);
     MlpBackward rows = routed_mlp_backward(mb, args, 0);
     rows.rows.group_active = p.owned_experts(b);  // weight gradients of the experts b holds (all: no ring)
-    routed_rows.push_back(rows);
     const MlpOperands routed = mlp_operands(rows, H, activation, args.accumulate_weight_grads, gemm_error);
 
     fused::FusedBackwardParams params{};
@@ -173,7 +150,6 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
     params.comm_ctas = fused_comm_ctas(workspace, params.push_combine, workspace.config.backward_comm_sms,
                                        FusedPass::kBackward);
     params.unit_blocks = backward_unit_blocks(workspace, params.comm_ctas);
-    params.weight_grads_in_kernel = weight_grads_in_kernel;
     launches.push_back(params);
   }
 
@@ -194,11 +170,6 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
     fused::fused_backward_kernel<<<workspace.num_sms, kernels::gemm::GemmConfig::kNumThreads,
                                    kFusedSharedBytes, stream>>>(launches[i]);
     POUNCE_CUDA(cudaGetLastError());
-    if (!weight_grads_in_kernel) {  // before the next launch overwrites this macrobatch's rows
-      if (i == 0 && Is > 0)         // the first launch holds the shared expert
-        launch_mlp_weight_grads(shared_mlp_backward(p, args, 0), H, args.accumulate_weight_grads, 0, stream);
-      launch_mlp_weight_grads(routed_rows[i], H, args.accumulate_weight_grads, 0, stream);
-    }
   }
   launch_context_restore(workspace, args, activation, stream);
   timer.mark("fused");

@@ -97,10 +97,4 @@ inline MlpBackward routed_mlp_backward(const layout::WorkspacePointers& p, const
                                             std::max<int64_t>(1, p.num_experts))};
 }
 
-// The three weight gradients of m (down from dy and act, gate and up from d_g, d_u and x) with m's tile
-// schedule: the down gradient on m.rows.max_ctas SMs, the gate and up gradients on `later_ctas` (0 = every SM).
-// Defined in staged_backward.cu; the fused backward calls it too when its kernel leaves them out.
-void launch_mlp_weight_grads(const MlpBackward& m, int64_t H, bool accumulate, int later_ctas,
-                             cudaStream_t stream);
-
 }  // namespace pounce::gpu

@@ -48,8 +48,6 @@ void launch_mlp_data_grads(const MlpBackward& m, int first_group, int num_groups
                                    expert_slice(m.weights.up, first_group), I, m.dx, H, 2 * I, stream);
 }
 
-}  // namespace
-
 // The down gradient on m.rows.max_ctas SMs, the gate and up gradients on `later_ctas`: the routed ones run
 // after the last chunk's d_x push has had the down gradient's time (0.4 ms of deepseek's 3 ms) to finish, so
 // they take the communication SMs too (a CTA whose SM is still pushing starts a little late).
@@ -66,6 +64,8 @@ void launch_mlp_weight_grads(const MlpBackward& m, int64_t H, bool accumulate, i
   kernels::grouped_weight_grad(later, d_u, 2 * I, I, m.x, H, H, m.grads->up.data,
                                weight_grad_mode(m.grads->up, accumulate), stream, m.weight_grad_schedule);
 }
+
+}  // namespace
 
 BackwardLaunch launch_backward_prologue(GpuWorkspace& workspace, const BackwardArgs& args, StageTimer& timer,
                                         cudaStream_t stream) {

@@ -90,15 +90,6 @@ DType output_dtype(int output, GradMode mode) {
   return mode == GradMode::kStoreBf16 ? DType::kBF16 : DType::kFP32;
 }
 
-// Where the fused backward computes the weight gradients (POUNCE_FUSED_WEIGHT_GRADS, read at each launch):
-// "kernel" (its own tiles) or "after" (the standalone GEMMs after it); unset again on scope exit.
-struct FusedWeightGrads {
-  explicit FusedWeightGrads(const char* where) { setenv("POUNCE_FUSED_WEIGHT_GRADS", where, 1); }
-  ~FusedWeightGrads() { unsetenv("POUNCE_FUSED_WEIGHT_GRADS"); }
-  FusedWeightGrads(const FusedWeightGrads&) = delete;
-  FusedWeightGrads& operator=(const FusedWeightGrads&) = delete;
-};
-
 // One run's outputs as raw bytes (T rows of d_x and d_topk_weights), so equality is bitwise even for NaNs.
 struct Snapshot {
   std::vector<std::vector<uint8_t>> outputs;  // [kNumOutputs]
@@ -673,9 +664,7 @@ TEST(StagedBackward, ChunksAndCommSmsDoNotChangeResults) {
 // the bf16 and the accumulate run, with both combines (push by the communication CTAs, scatter from the d_x
 // epilogues), minibatches of one m-block (many handoffs, d_x tiles waiting on d_a tiles in flight, weight
 // gradients waiting on units still being pulled) and the default; uniform routing, all tokens on one
-// expert, T = 0 on a rank, shared expert and both activations (clamped). The weight gradients inside the
-// kernel in every combination, and by the standalone GEMMs after it with the push combine and the default
-// minibatch (the rest of that path is the staged one). Both paths also meet the reference.
+// expert, T = 0 on a rank, shared expert and both activations (clamped). Both paths also meet the reference.
 TEST(FusedBackward, EqualsStagedBitwise) {
   SKIP_UNLESS_GPUS(1);
   for (int R = 1; R <= std::min(2, visible_gpus()); ++R) {
@@ -689,26 +678,22 @@ TEST(FusedBackward, EqualsStagedBitwise) {
     for (const char* combine : {"push", "scatter"}) {
       ASSERT_EQ(setenv("POUNCE_FUSED_COMBINE", combine, 1), 0);  // read at each launch
       for (int64_t minibatch : {int64_t{128}, int64_t{0}}) {
-        for (const std::string weight_grads : {"kernel", "after"}) {
-          if (weight_grads == "after" && (minibatch != 0 || std::string(combine) != "push")) continue;
-          const FusedWeightGrads placement(weight_grads.c_str());
-          const std::string label = " ranks " + std::to_string(R) + " combine " + combine + " minibatch " +
-                                    std::to_string(minibatch) + " weight gradients " + weight_grads;
-          for (const Model* m : {&shared, &routed}) {
-            const std::vector<Call> calls =
-                m == &shared ? std::vector<Call>{{tokens(300, 255), Routing::kRandom, false, 143},
-                                                 {tokens(0, 300), Routing::kAllToOneExpert, true, 144}}
-                             : std::vector<Call>{{tokens(500, 499), Routing::kRandom, false, 145},
-                                                 {tokens(129, 0), Routing::kFewExperts, false, 146}};
-            pounce::Config staged, fused;
-            staged.kernel_path = staged.backward_kernel_path = pounce::KernelPath::kStaged;
-            fused.kernel_path = fused.backward_kernel_path = pounce::KernelPath::kFused;
-            staged.minibatch_size = fused.minibatch_size = minibatch;
-            const std::string name = (m == &shared ? "shared expert" : "routed only") + label;
-            const auto a = run_and_check(*m, calls, false, "staged, " + name, staged);
-            const auto b = run_and_check(*m, calls, false, "fused, " + name, fused);
-            expect_bitwise_equal(a, b, name);
-          }
+        const std::string label =
+            " ranks " + std::to_string(R) + " combine " + combine + " minibatch " + std::to_string(minibatch);
+        for (const Model* m : {&shared, &routed}) {
+          const std::vector<Call> calls =
+              m == &shared ? std::vector<Call>{{tokens(300, 255), Routing::kRandom, false, 143},
+                                               {tokens(0, 300), Routing::kAllToOneExpert, true, 144}}
+                           : std::vector<Call>{{tokens(500, 499), Routing::kRandom, false, 145},
+                                               {tokens(129, 0), Routing::kFewExperts, false, 146}};
+          pounce::Config staged, fused;
+          staged.kernel_path = staged.backward_kernel_path = pounce::KernelPath::kStaged;
+          fused.kernel_path = fused.backward_kernel_path = pounce::KernelPath::kFused;
+          staged.minibatch_size = fused.minibatch_size = minibatch;
+          const std::string name = (m == &shared ? "shared expert" : "routed only") + label;
+          const auto a = run_and_check(*m, calls, false, "staged, " + name, staged);
+          const auto b = run_and_check(*m, calls, false, "fused, " + name, fused);
+          expect_bitwise_equal(a, b, name);
         }
       }
     }
@@ -728,11 +713,8 @@ void run_one_rank_small(int64_t macrobatch_size, const std::string& name, int64_
   run_and_check(m, {{{192}, Routing::kRandom, false, 152}}, false, name, config);
 }
 
-// The weight gradients inside the kernel here (the default for these few rows per expert runs them after it,
-// as OneRankSmallRoutedOnly does), so the sanitizers see both.
 TEST(FusedBackward, OneRankSmall) {
   SKIP_UNLESS_GPUS(1);
-  const FusedWeightGrads placement("kernel");
   run_one_rank_small(0, "fused backward, one rank");
 }
 
@@ -755,22 +737,14 @@ TEST(Macrobatches, RingEqualsWorstCaseBitwise) {
                                      {tokens(0, 300), Routing::kFewExperts, true, 164}};
     const int64_t ring = (R * 300 + pounce::kBlockM - 1) / pounce::kBlockM * pounce::kBlockM;
     for (const pounce::KernelPath path : {pounce::KernelPath::kStaged, pounce::KernelPath::kFused}) {
-      // The fused backward with its weight gradients inside the kernel and after it (per macrobatch).
-      for (const std::string weight_grads : {"kernel", "after"}) {
-        if (path == pounce::KernelPath::kStaged && weight_grads == "after") continue;
-        const FusedWeightGrads placement(weight_grads.c_str());
-        pounce::Config worst;
-        worst.kernel_path = worst.backward_kernel_path = path;
-        pounce::Config ringed = worst;
-        ringed.macrobatch_size = ring;
-        const std::string name =
-            std::string(pounce::to_string(path)) + " ranks " + std::to_string(R) +
-            (path == pounce::KernelPath::kFused ? " weight gradients " + weight_grads : "");
-        const auto a = run_and_check(m, calls, false, "worst case, " + name, worst);
-        const auto b =
-            run_and_check(m, calls, false, "ring of " + std::to_string(ring) + ", " + name, ringed);
-        expect_bitwise_equal(a, b, name);
-      }
+      pounce::Config worst;
+      worst.kernel_path = worst.backward_kernel_path = path;
+      pounce::Config ringed = worst;
+      ringed.macrobatch_size = ring;
+      const std::string name = std::string(pounce::to_string(path)) + " ranks " + std::to_string(R);
+      const auto a = run_and_check(m, calls, false, "worst case, " + name, worst);
+      const auto b = run_and_check(m, calls, false, "ring of " + std::to_string(ring) + ", " + name, ringed);
+      expect_bitwise_equal(a, b, name);
     }
   }
 }
