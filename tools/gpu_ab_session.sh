@@ -19,10 +19,7 @@ suite_builds="${SUITE_BUILDS:-}"
 run=0
 for dir in $suite_builds; do
   run=$((run + 1))
-  log="$out/gpu_suite_${run}_$dir.log"
-  timeout 260 "./$dir/tests/pounce_gpu_tests" >"$log" 2>&1
-  summary+=("gpu suite $dir: rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$log" | tr '\n' ' ')")
-  grep -E "^\[  FAILED|Failure" "$log" | head -12
+  summary+=("gpu suite $dir: $(gpu_tests "$out/gpu_suite_${run}_$dir.log" 260 "./$dir/tests/pounce_gpu_tests")")
 done
 for preset in ${AB_PRESETS:-gpt-oss-120b deepseek-v3}; do
   for setting in ${AB:--}; do

@@ -18,10 +18,7 @@ ranks=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
 summary=("GPUs: $ranks")
 presets="${BENCH_PRESETS:-qwen3-30b-a3b gpt-oss-120b deepseek-v3}"
 for run in $(seq "${SUITE_RUNS:-1}"); do
-  timeout 260 ./build/tests/pounce_gpu_tests >"$out/gpu_suite_$run.log" 2>&1
-  summary+=("gpu suite run $run: rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/gpu_suite_$run.log" |
-    tr '\n' ' ')")
-  grep -E "^\[  FAILED|Failure" "$out/gpu_suite_$run.log" | head -12
+  summary+=("gpu suite run $run: $(gpu_tests "$out/gpu_suite_$run.log" 260)")
 done
 if [ "${SANITIZE:-0}" = 1 ]; then
   OUT="$out" tools/gpu_sanitize.sh >"$out/sanitize.txt" 2>&1
@@ -36,8 +33,8 @@ bench() {  # name, timeout, extra arguments
 }
 bench "bench_ep$ranks" "${BENCH_TIMEOUT_S:-240}" --tokens 8192 --impl fused fused-staged
 [ "$(left)" -gt 100 ] && bench "bench_ep${ranks}_16384_forward" 95 --tokens 16384 --impl fused --pass forward
-[ "$ranks" -gt 1 ] && [ "$(left)" -gt 70 ] && CUDA_VISIBLE_DEVICES=0 bench bench_ep1_forward 65 --ranks 1 --tokens 8192 --impl fused \
-  --pass forward
+[ "$ranks" -gt 1 ] && [ "$(left)" -gt 70 ] &&
+  CUDA_VISIBLE_DEVICES=0 bench bench_ep1_forward 65 --ranks 1 --tokens 8192 --impl fused --pass forward
 for log in "$out"/bench_*.log; do
   echo "== $(basename "$log")"
   grep -E "^(impl|fused|fused-all|fused-staged|staged|baseline) " "$log"

@@ -9,9 +9,7 @@ out="${OUT:-/tmp/pounce_out}"
 mkdir -p "$out"
 summary=()
 suite() {  # pass number
-  timeout 150 ./build/tests/pounce_gpu_tests --gtest_output="json:$out/gpu_tests_$1.json" >"$out/gpu_tests_$1.log" 2>&1
-  summary+=("gpu suite pass $1: rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$out/gpu_tests_$1.log" | tr '\n' ' ')")
-  grep -E "^\[  FAILED|Failure" "$out/gpu_tests_$1.log" | head -10
+  summary+=("gpu suite pass $1: $(gpu_tests "$out/gpu_tests_$1.log" 150 "" --gtest_output="json:$out/gpu_tests_$1.json")")
 }
 suite 1
 for preset in qwen3-30b-a3b deepseek-v3; do

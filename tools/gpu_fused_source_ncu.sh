@@ -3,7 +3,8 @@
 # instruction. Nsight Compute's warp-state sampling and source counters over one launch (one GPU, machine
 # clocks), then the source page as CSV, reduced here to the header, the instructions with the most stall
 # samples and the samples per opcode (tools/ncu_source_top.py). NCU_PRESET (gpt-oss-120b), NCU_KERNEL
-# (fused_backward_kernel), NCU_TOP (60 instructions).
+# (fused_backward_kernel), NCU_TOP (60 instructions), NCU_REGIONS (LO-HI=LABEL words: SASS offset ranges to sum).
+# The CSV comes back as $OUT/source.csv, so regions can also be summed here afterwards.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tools/gpu_env.sh
@@ -19,4 +20,4 @@ CUDA_VISIBLE_DEVICES=0 timeout 300 ncu --clock-control none -k "regex:$kernel" -
 echo "ncu rc=$? ($(tail -1 "$out/ncu_run.log"))"
 ncu -i "$report.ncu-rep" --page source --csv --print-source sass >"$out/source.csv" 2>"$out/source_err.log"
 echo "source page rc=$? ($(wc -l <"$out/source.csv") lines) $(head -c 300 "$out/source_err.log")"
-python3 tools/ncu_source_top.py "$out/source.csv" "${NCU_TOP:-60}"
+python3 tools/ncu_source_top.py "$out/source.csv" "${NCU_TOP:-60}" ${NCU_REGIONS:-}

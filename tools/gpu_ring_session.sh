@@ -10,9 +10,7 @@ out="${OUT:-/tmp/pounce_out}"
 mkdir -p "$out"
 summary=()
 tests() {  # name, timeout, gtest filter
-  timeout "$2" ./build/tests/pounce_gpu_tests --gtest_filter="$3" >"$out/$1.log" 2>&1
-  summary+=("$1: rc=$? $(grep -E '^\[  (PASSED|FAILED) ' "$out/$1.log" | tr '\n' ' ')")
-  grep -E "^\[  FAILED|Failure" "$out/$1.log" | head -12
+  summary+=("$1: $(gpu_tests "$out/$1.log" "$2" "" --gtest_filter="$3")")
 }
 tests ring_tests 150 '*Macrobatch*:*Ring*:StagedBackward.CudaGraph*'
 # One GPU: the sanitizers see NCCL's own start-up probes as API errors on several ranks.
