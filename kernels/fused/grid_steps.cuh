@@ -127,9 +127,14 @@ template <bool kRing>
 __device__ __forceinline__ bool run_forward_prologue(const layout::WorkspacePointers& ws,
                                                      const ForwardInputs& in, int32_t* scratch,
                                                      routing::ScanScratch& scan_scratch, int32_t& word) {
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    step_times(ws)[layout::kTimeKernelStarted] = flags::global_timer_ns();
   dispatch::stage_x(ws, in.x, in.num_tokens);
   routing::store_routing_to_peers(ws, in.topk_idx, in.idx_int64, in.num_tokens);
-  if (!cta_grid_step(ws, word, layout::kStepRouting, /*wait=*/true, [&] { return cta_routing_barrier(ws); }))
+  if (!cta_grid_step(ws, word, layout::kStepRouting, /*wait=*/true, [&] {
+        if (threadIdx.x == 0) step_times(ws)[layout::kTimeRoutingArrived] = flags::global_timer_ns();
+        return cta_routing_barrier(ws);
+      }))
     return false;
 
   int32_t* counters = scratch + (threadIdx.x / 32) * ws.num_local_experts;

@@ -100,7 +100,9 @@ enum FusedStepTime : int32_t {
   kTimePlacedReleased = 2,
   kTimeLastFinished = 3,    // the last party arrived at kStepFinished
   kTimeCombineBarrier = 4,  // ... and passed the combine barrier
-  kNumStepTimes = 5
+  kTimeKernelStarted = 5,   // CTA 0 entered the kernel
+  kTimeRoutingArrived = 6,  // the last CTA arrived at kStepRouting (x staged): the cross-GPU barrier starts
+  kNumStepTimes = 7
 };
 inline constexpr int64_t kFusedStepTimes = kFusedGridReleased + kNumGridSteps;  // even: 8-byte aligned
 // Where the compute CTAs' time went (uint64 each, summed over consumer warpgroups, written only when

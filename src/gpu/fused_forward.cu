@@ -57,9 +57,11 @@ void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) 
   auto ms = [&](int from, int to) { return ns[from] && ns[to] ? (ns[to] - ns[from]) * 1e-6 : -1.0; };
   std::fprintf(
       stderr,
-      "pounce profile rank %d fused forward inside: schedule %.3f (count+scan %.3f) tiles+transfers %.3f "
-      "combine barrier %.3f ms (from the routing barrier's release)\n",
-      p.rank, ms(layout::kTimeRoutingReleased, layout::kTimePlacedReleased),
+      "pounce profile rank %d fused forward inside: stage x + routing ids %.3f routing barrier %.3f "
+      "schedule %.3f (count+scan %.3f) tiles+transfers %.3f combine barrier %.3f ms (from CTA 0's start)\n",
+      p.rank, ms(layout::kTimeKernelStarted, layout::kTimeRoutingArrived),
+      ms(layout::kTimeRoutingArrived, layout::kTimeRoutingReleased),
+      ms(layout::kTimeRoutingReleased, layout::kTimePlacedReleased),
       ms(layout::kTimeRoutingReleased, layout::kTimeCountedReleased),
       ms(layout::kTimePlacedReleased, layout::kTimeLastFinished),
       ms(layout::kTimeLastFinished, layout::kTimeCombineBarrier));
