@@ -45,6 +45,7 @@ struct ForwardInputs {
   const void* topk_idx;  // [T, k] int32 or int64
   int64_t num_tokens;
   bool idx_int64;
+  int32_t stage_depth;  // 16-byte loads per lane in flight while staging x: 4, 8 or 16 (fused_stage_depth)
 };
 
 __device__ __forceinline__ uint32_t* step_arrived(const layout::WorkspacePointers& ws,
@@ -127,9 +128,19 @@ template <bool kRing>
 __device__ __forceinline__ bool run_forward_prologue(const layout::WorkspacePointers& ws,
                                                      const ForwardInputs& in, int32_t* scratch,
                                                      routing::ScanScratch& scan_scratch, int32_t& word) {
-  if (blockIdx.x == 0 && threadIdx.x == 0)
-    step_times(ws)[layout::kTimeKernelStarted] = flags::global_timer_ns();
-  dispatch::stage_x(ws, in.x, in.num_tokens);
+  if (threadIdx.x == 0) {
+    if (blockIdx.x == 0) step_times(ws)[layout::kTimeKernelStarted] = flags::global_timer_ns();
+    atomicMax(step_times(ws) + layout::kTimeLastCtaStarted, flags::global_timer_ns());
+  }
+  if (in.stage_depth == 16) {
+    dispatch::stage_x<16>(ws, in.x, in.num_tokens);
+  } else if (in.stage_depth == 8) {
+    dispatch::stage_x<8>(ws, in.x, in.num_tokens);
+  } else {
+    dispatch::stage_x<4>(ws, in.x, in.num_tokens);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) atomicMax(step_times(ws) + layout::kTimeXStaged, flags::global_timer_ns());
   routing::store_routing_to_peers(ws, in.topk_idx, in.idx_int64, in.num_tokens);
   if (!cta_grid_step(ws, word, layout::kStepRouting, /*wait=*/true, [&] {
         if (threadIdx.x == 0) step_times(ws)[layout::kTimeRoutingArrived] = flags::global_timer_ns();

@@ -102,7 +102,9 @@ enum FusedStepTime : int32_t {
   kTimeCombineBarrier = 4,  // ... and passed the combine barrier
   kTimeKernelStarted = 5,   // CTA 0 entered the kernel
   kTimeRoutingArrived = 6,  // the last CTA arrived at kStepRouting (x staged): the cross-GPU barrier starts
-  kNumStepTimes = 7
+  kTimeLastCtaStarted = 7,  // the latest CTA's start (atomicMax)
+  kTimeXStaged = 8,         // the latest CTA's end of stage x (atomicMax)
+  kNumStepTimes = 9
 };
 inline constexpr int64_t kFusedStepTimes = kFusedGridReleased + kNumGridSteps;  // even: 8-byte aligned
 // Where the compute CTAs' time went (uint64 each, summed over consumer warpgroups, written only when

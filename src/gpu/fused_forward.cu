@@ -57,9 +57,12 @@ void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) 
   auto ms = [&](int from, int to) { return ns[from] && ns[to] ? (ns[to] - ns[from]) * 1e-6 : -1.0; };
   std::fprintf(
       stderr,
-      "pounce profile rank %d fused forward inside: stage x + routing ids %.3f routing barrier %.3f "
-      "schedule %.3f (count+scan %.3f) tiles+transfers %.3f combine barrier %.3f ms (from CTA 0's start)\n",
-      p.rank, ms(layout::kTimeKernelStarted, layout::kTimeRoutingArrived),
+      "pounce profile rank %d fused forward inside: last CTA started %.3f, x staged %.3f, routing ids %.3f, "
+      "routing barrier %.3f schedule %.3f (count+scan %.3f) tiles+transfers %.3f combine barrier %.3f ms "
+      "(from CTA 0's start)\n",
+      p.rank, ms(layout::kTimeKernelStarted, layout::kTimeLastCtaStarted),
+      ms(layout::kTimeKernelStarted, layout::kTimeXStaged),
+      ms(layout::kTimeXStaged, layout::kTimeRoutingArrived),
       ms(layout::kTimeRoutingArrived, layout::kTimeRoutingReleased),
       ms(layout::kTimeRoutingReleased, layout::kTimePlacedReleased),
       ms(layout::kTimeRoutingReleased, layout::kTimeCountedReleased),
@@ -131,6 +134,16 @@ int32_t fused_pull_depth() {
   return fused::kDeepPullDepth;
 }
 
+// POUNCE_FUSED_STAGE_DEPTH: the 16-byte loads per lane in flight while the prologue stages x (4 unless set).
+int32_t fused_stage_depth() {
+  const char* value = std::getenv("POUNCE_FUSED_STAGE_DEPTH");
+  if (value == nullptr) return 4;
+  const std::string choice(value);
+  POUNCE_CHECK(choice == "4" || choice == "8" || choice == "16", "environment POUNCE_FUSED_STAGE_DEPTH = '",
+               choice, "' must be 4, 8 or 16 (or unset for 4)");
+  return std::stoi(choice);
+}
+
 int32_t fused_unit_blocks(const GpuWorkspace& workspace, bool push_combine) {
   const int64_t minibatch = workspace.config.minibatch_size;
   const int64_t heuristic_blocks = push_combine ? kPushUnitBlocks : kDefaultUnitBlocks;
@@ -171,6 +184,7 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   params.in.topk_idx = args.topk_idx.data;
   params.in.num_tokens = launch.num_tokens;
   params.in.idx_int64 = launch.idx_int64;
+  params.in.stage_depth = fused_stage_depth();
   // The staged path's maps and arguments from the same builders, over the routed rows of the ring (all of
   // them without one) and the rank's own token rows. The tiles take their expert from the scheduler
   // (find_routed_block), not from the offsets in the arguments.
