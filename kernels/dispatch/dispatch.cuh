@@ -45,7 +45,6 @@ __device__ __forceinline__ int64_t num_global_warps() {
   return static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
 }
 
-template <int kDepth = 4>
 __device__ __forceinline__ void stage_x(const layout::WorkspacePointers& ws, const void* x,
                                         int64_t num_tokens) {
   const int64_t padded_tokens = layout::round_up(num_tokens, layout::kBlockM);
@@ -53,8 +52,7 @@ __device__ __forceinline__ void stage_x(const layout::WorkspacePointers& ws, con
   int4* sym_x = ws.local_sym<int4>(ws.sym_x);
   for (int64_t t = global_warp(); t < padded_tokens; t += num_global_warps()) {
     if (t < num_tokens) {
-      warp_copy_16b<kDepth>(sym_x + t * row_vectors, static_cast<const int4*>(x) + t * row_vectors,
-                            row_vectors);
+      warp_copy_16b(sym_x + t * row_vectors, static_cast<const int4*>(x) + t * row_vectors, row_vectors);
     } else {
       warp_zero_16b(sym_x + t * row_vectors, row_vectors);
     }

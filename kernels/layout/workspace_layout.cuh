@@ -104,7 +104,9 @@ enum FusedStepTime : int32_t {
   kTimeRoutingArrived = 6,  // the last CTA arrived at kStepRouting (x staged): the cross-GPU barrier starts
   kTimeLastCtaStarted = 7,  // the latest CTA's start (atomicMax)
   kTimeXStaged = 8,         // the latest CTA's end of stage x (atomicMax)
-  kNumStepTimes = 9
+  kTimeRoutingStored = 9,   // the latest CTA's routing ids issued (atomicMax)
+  kTimeRoutingFenced = 10,  // the latest CTA past its system-scope fence before arriving (atomicMax)
+  kNumStepTimes = 11
 };
 inline constexpr int64_t kFusedStepTimes = kFusedGridReleased + kNumGridSteps;  // even: 8-byte aligned
 // Where the compute CTAs' time went (uint64 each, summed over consumer warpgroups, written only when

@@ -57,12 +57,14 @@ void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) 
   auto ms = [&](int from, int to) { return ns[from] && ns[to] ? (ns[to] - ns[from]) * 1e-6 : -1.0; };
   std::fprintf(
       stderr,
-      "pounce profile rank %d fused forward inside: last CTA started %.3f, x staged %.3f, routing ids %.3f, "
-      "routing barrier %.3f schedule %.3f (count+scan %.3f) tiles+transfers %.3f combine barrier %.3f ms "
-      "(from CTA 0's start)\n",
+      "pounce profile rank %d fused forward inside: last CTA started %.3f, x staged %.3f, routing ids stored "
+      "%.3f fenced %.3f arrived %.3f, routing barrier %.3f schedule %.3f (count+scan %.3f) tiles+transfers "
+      "%.3f combine barrier %.3f ms (from CTA 0's start)\n",
       p.rank, ms(layout::kTimeKernelStarted, layout::kTimeLastCtaStarted),
       ms(layout::kTimeKernelStarted, layout::kTimeXStaged),
-      ms(layout::kTimeXStaged, layout::kTimeRoutingArrived),
+      ms(layout::kTimeKernelStarted, layout::kTimeRoutingStored),
+      ms(layout::kTimeKernelStarted, layout::kTimeRoutingFenced),
+      ms(layout::kTimeKernelStarted, layout::kTimeRoutingArrived),
       ms(layout::kTimeRoutingArrived, layout::kTimeRoutingReleased),
       ms(layout::kTimeRoutingReleased, layout::kTimePlacedReleased),
       ms(layout::kTimeRoutingReleased, layout::kTimeCountedReleased),
@@ -134,16 +136,6 @@ int32_t fused_pull_depth() {
   return fused::kDeepPullDepth;
 }
 
-// POUNCE_FUSED_STAGE_DEPTH: the 16-byte loads per lane in flight while the prologue stages x (4 unless set).
-int32_t fused_stage_depth() {
-  const char* value = std::getenv("POUNCE_FUSED_STAGE_DEPTH");
-  if (value == nullptr) return 4;
-  const std::string choice(value);
-  POUNCE_CHECK(choice == "4" || choice == "8" || choice == "16", "environment POUNCE_FUSED_STAGE_DEPTH = '",
-               choice, "' must be 4, 8 or 16 (or unset for 4)");
-  return std::stoi(choice);
-}
-
 int32_t fused_unit_blocks(const GpuWorkspace& workspace, bool push_combine) {
   const int64_t minibatch = workspace.config.minibatch_size;
   const int64_t heuristic_blocks = push_combine ? kPushUnitBlocks : kDefaultUnitBlocks;
@@ -184,7 +176,8 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   params.in.topk_idx = args.topk_idx.data;
   params.in.num_tokens = launch.num_tokens;
   params.in.idx_int64 = launch.idx_int64;
-  params.in.stage_depth = fused_stage_depth();
+  params.in.routing_first = std::getenv("POUNCE_FUSED_ROUTING_FIRST") != nullptr;
+  params.in.gpu_fences = std::getenv("POUNCE_FUSED_GRID_FENCE") != nullptr;
   // The staged path's maps and arguments from the same builders, over the routed rows of the ring (all of
   // them without one) and the rank's own token rows. The tiles take their expert from the scheduler
   // (find_routed_block), not from the offsets in the arguments.
