@@ -45,8 +45,6 @@ struct ForwardInputs {
   const void* topk_idx;  // [T, k] int32 or int64
   int64_t num_tokens;
   bool idx_int64;
-  bool routing_first;  // the routing ids into the peers before stage x (POUNCE_FUSED_ROUTING_FIRST=1)
-  bool gpu_fences;     // the prologue's arrivals without the system-scope fence (POUNCE_FUSED_GRID_FENCE=gpu)
 };
 
 __device__ __forceinline__ uint32_t* step_arrived(const layout::WorkspacePointers& ws,
@@ -86,13 +84,12 @@ __device__ __forceinline__ void release_step(const layout::WorkspacePointers& ws
 // and releases the step; when `wait`, the others wait for that. False once any CTA failed.
 template <typename Serial>
 __device__ __forceinline__ bool cta_grid_step(const layout::WorkspacePointers& ws, int32_t& word,
-                                              layout::FusedGridStep step, bool wait, Serial&& serial,
-                                              bool system_fence = true) {
+                                              layout::FusedGridStep step, bool wait, Serial&& serial) {
   __syncthreads();  // the CTA's stores of this step are issued before thread 0 arrives
   bool arrived_last = false;
   if (threadIdx.x == 0) {
     kernels::ptx::fence_proxy_async_global();  // staged x rows are read by TMA (the shared expert's tiles)
-    if (system_fence) flags::fence_acq_rel_sys();  // the routing ids stored into peers: system scope
+    flags::fence_acq_rel_sys();  // the routing ids stored into peers: ordered at system scope, not only GPU
     if (step == layout::kStepRouting)
       atomicMax(step_times(ws) + layout::kTimeRoutingFenced, flags::global_timer_ns());
     arrived_last = flags::atom_add_acq_rel_gpu(step_arrived(ws, step), 1u) == gridDim.x - 1;
@@ -132,47 +129,40 @@ template <bool kRing>
 __device__ __forceinline__ bool run_forward_prologue(const layout::WorkspacePointers& ws,
                                                      const ForwardInputs& in, int32_t* scratch,
                                                      routing::ScanScratch& scan_scratch, int32_t& word) {
+  // The prologue's milestones (kFusedStepTimes; the latest CTA's by atomicMax) cost two bar.syncs.
   if (threadIdx.x == 0) {
     if (blockIdx.x == 0) step_times(ws)[layout::kTimeKernelStarted] = flags::global_timer_ns();
     atomicMax(step_times(ws) + layout::kTimeLastCtaStarted, flags::global_timer_ns());
   }
-  if (in.routing_first) routing::store_routing_to_peers(ws, in.topk_idx, in.idx_int64, in.num_tokens);
   dispatch::stage_x(ws, in.x, in.num_tokens);
   __syncthreads();
   if (threadIdx.x == 0) atomicMax(step_times(ws) + layout::kTimeXStaged, flags::global_timer_ns());
-  if (!in.routing_first) routing::store_routing_to_peers(ws, in.topk_idx, in.idx_int64, in.num_tokens);
+  routing::store_routing_to_peers(ws, in.topk_idx, in.idx_int64, in.num_tokens);
   __syncthreads();
   if (threadIdx.x == 0) atomicMax(step_times(ws) + layout::kTimeRoutingStored, flags::global_timer_ns());
-  if (!cta_grid_step(
-          ws, word, layout::kStepRouting, /*wait=*/true,
-          [&] {
-            if (threadIdx.x == 0) step_times(ws)[layout::kTimeRoutingArrived] = flags::global_timer_ns();
-            return cta_routing_barrier(ws);
-          },
-          !in.gpu_fences))
-    return false;
+  auto routing_barrier = [&] {
+    if (threadIdx.x == 0) step_times(ws)[layout::kTimeRoutingArrived] = flags::global_timer_ns();
+    return cta_routing_barrier(ws);
+  };
+  if (!cta_grid_step(ws, word, layout::kStepRouting, /*wait=*/true, routing_barrier)) return false;
 
   int32_t* counters = scratch + (threadIdx.x / 32) * ws.num_local_experts;
   const int64_t warp = dispatch::global_warp(), num_warps = dispatch::num_global_warps();
   routing::for_each_schedule_chunk(ws, warp, num_warps, counters, routing::schedule_count_chunk);
-  if (!cta_grid_step(
-          ws, word, layout::kStepCounted, /*wait=*/true,
-          [&] {
-            routing::schedule_scan(ws, scan_scratch);
-            if constexpr (kRing) {
-              __syncthreads();  // group_row_offset written by the scan
-              if (threadIdx.x == 0)
-                ws.macrobatch_plan[0] = sched::plan_ring_bounds(ws, ws.macrobatch_plan + 1, true);
-            }
-            return true;  // an overflow is recorded and clamped, as on the staged path
-          },
-          !in.gpu_fences))
+  if (!cta_grid_step(ws, word, layout::kStepCounted, /*wait=*/true, [&] {
+        routing::schedule_scan(ws, scan_scratch);
+        if constexpr (kRing) {
+          __syncthreads();  // group_row_offset written by the scan
+          if (threadIdx.x == 0)
+            ws.macrobatch_plan[0] = sched::plan_ring_bounds(ws, ws.macrobatch_plan + 1, true);
+        }
+        return true;  // an overflow is recorded and clamped, as on the staged path
+      }))
     return false;
 
   routing::for_each_schedule_chunk(ws, warp, num_warps, counters, routing::schedule_place_chunk);
   kernels::ptx::fence_proxy_async_shared();  // the counters' smem is the stage ring's: TMA writes it next
-  return cta_grid_step(
-      ws, word, layout::kStepPlaced, /*wait=*/false, [] { return true; }, !in.gpu_fences);
+  return cta_grid_step(ws, word, layout::kStepPlaced, /*wait=*/false, [] { return true; });
 }
 
 // A communication CTA, before its first pull: every schedule row is placed.

@@ -57,9 +57,9 @@ void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) 
   auto ms = [&](int from, int to) { return ns[from] && ns[to] ? (ns[to] - ns[from]) * 1e-6 : -1.0; };
   std::fprintf(
       stderr,
-      "pounce profile rank %d fused forward inside: last CTA started %.3f, x staged %.3f, routing ids stored "
-      "%.3f fenced %.3f arrived %.3f, routing barrier %.3f schedule %.3f (count+scan %.3f) tiles+transfers "
-      "%.3f combine barrier %.3f ms (from CTA 0's start)\n",
+      "pounce profile rank %d fused forward inside, ms after CTA 0's start: last CTA started %.3f, x staged "
+      "%.3f, routing ids stored %.3f, fenced %.3f, arrived %.3f; then ms each: routing barrier %.3f schedule "
+      "%.3f (count+scan %.3f) tiles+transfers %.3f combine barrier %.3f\n",
       p.rank, ms(layout::kTimeKernelStarted, layout::kTimeLastCtaStarted),
       ms(layout::kTimeKernelStarted, layout::kTimeXStaged),
       ms(layout::kTimeKernelStarted, layout::kTimeRoutingStored),
@@ -176,8 +176,6 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   params.in.topk_idx = args.topk_idx.data;
   params.in.num_tokens = launch.num_tokens;
   params.in.idx_int64 = launch.idx_int64;
-  params.in.routing_first = std::getenv("POUNCE_FUSED_ROUTING_FIRST") != nullptr;
-  params.in.gpu_fences = std::getenv("POUNCE_FUSED_GRID_FENCE") != nullptr;
   // The staged path's maps and arguments from the same builders, over the routed rows of the ring (all of
   // them without one) and the rank's own token rows. The tiles take their expert from the scheduler
   // (find_routed_block), not from the offsets in the arguments.
