@@ -140,8 +140,11 @@ def plot_bars(ax, series):
             xs.append(g + (i - (len(impls) - 1) / 2) * width)
             ys.append(r["tflops"])
             s = r.get("speedup_vs_baseline")
+            late = r.get("late_speedup_vs_baseline")  # the later half of the runs (docs/design.md, Power)
             notes.append(f"{r['tflops']:.0f}" + (f"\n{s:.2f}×" if impl != "baseline" and
-                                                 isinstance(s, (int, float)) else ""))
+                                                 isinstance(s, (int, float)) else "")
+                         + (f"\nlate {late:.2f}×" if impl != "baseline" and
+                            isinstance(late, (int, float)) else ""))
         who = "PyTorch baseline" if impl == "baseline" else f"Pounce {impl}"
         bars = ax.bar(xs, ys, width, label=who, color=colors[i % len(colors)],
                       hatch="//" if impl == "baseline" else None,

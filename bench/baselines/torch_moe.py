@@ -470,8 +470,11 @@ def bench_config(preset, cfg, T, passes, args, rank, R, group, device, meta):
         else:
             raise ValueError(f"--passes: unknown pass {pss!r} (forward | forward_backward)")
         med = statistics.median(times)
+        # the later half of the runs, as `pounce bench`'s late_median_ms (tools/cli/parallel.h)
+        late = statistics.median(times[len(times) // 2:])
         rec = dict(impl="baseline", **{"pass": pss}, preset=preset, ranks=R, tokens_per_rank=T,
                    precision="bf16", median_ms=round(med, 4), tflops=round(flops / (med * 1e-3) / 1e12, 2),
+                   late_median_ms=round(late, 4), times_ms=[round(t, 4) for t in times],
                    min_ms=round(min(times), 4), max_ms=round(max(times), 4),
                    a2a_gbps=round(a2a / (med * 1e-3) / 1e9, 1),
                    hidden=H, intermediate=I, experts=E, topk=k, shared_intermediate=Is,

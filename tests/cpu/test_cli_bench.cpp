@@ -206,6 +206,37 @@ TEST(CliBench, SpeedupIsAgainstTheSamePassOfTheSameRun) {
   EXPECT_DOUBLE_EQ(records[5]["speedup_vs_baseline"].get<double>(), 1.0);
 }
 
+// A run that starts at the boost clock and settles lower (docs/design.md, "Power"): the late median and its
+// speedup take only the later half of each side's runs, in run order.
+TEST(CliBench, LateMedianIsTheLaterHalfOfTheRunsInOrder) {
+  const RecordContext context;
+  json records = json::array();
+  records.push_back(make_record(context, measured(BenchPass::kForward, {1.0, 1.0, 1.0, 1.2, 1.2, 1.3})));
+  records.push_back(make_record(context, measured(BenchPass::kForwardBackward, {3.0})));
+  EXPECT_DOUBLE_EQ(records[0]["median_ms"].get<double>(), 1.1);
+  EXPECT_DOUBLE_EQ(records[0]["late_median_ms"].get<double>(), 1.2) << "runs 4-6, not the sorted upper half";
+  EXPECT_DOUBLE_EQ(records[1]["late_median_ms"].get<double>(), 3.0) << "one run is its own later half";
+  records.push_back(json{{"impl", "baseline"},
+                         {"pass", "forward"},
+                         {"preset", "qwen3-30b-a3b"},
+                         {"ranks", 2},
+                         {"tokens_per_rank", 8192},
+                         {"median_ms", 2.2},
+                         {"late_median_ms", 3.0}});
+  records.push_back(json{{"impl", "baseline"},
+                         {"pass", "forward_backward"},
+                         {"preset", "qwen3-30b-a3b"},
+                         {"ranks", 2},
+                         {"tokens_per_rank", 8192},
+                         {"median_ms", 6.0}});  // an older baseline script: no late median
+  apply_speedups(records);
+  EXPECT_DOUBLE_EQ(records[0]["speedup_vs_baseline"].get<double>(), 2.0);
+  EXPECT_DOUBLE_EQ(records[0]["late_speedup_vs_baseline"].get<double>(), 2.5);
+  EXPECT_DOUBLE_EQ(records[1]["speedup_vs_baseline"].get<double>(), 2.0);
+  EXPECT_TRUE(records[1]["late_speedup_vs_baseline"].is_null()) << "the baseline has no late median";
+  EXPECT_DOUBLE_EQ(records[2]["late_speedup_vs_baseline"].get<double>(), 1.0);
+}
+
 TEST(CliBench, BackwardThatDidNotRunIsReportedPerRecord) {
   RunOutcome outcome;
   outcome.forward_ms = {1.0, 2.0};

@@ -238,6 +238,8 @@ json make_record(const RecordContext& context, const Measurement& m) {
       {"median_ms", number_or_null(measured, median_ms)},
       {"tflops", number_or_null(measured, tflops(m.flops, median_ms))},
       {"speedup_vs_baseline", nullptr},
+      {"late_median_ms", number_or_null(measured, late_half_median(m.times_ms))},
+      {"late_speedup_vs_baseline", nullptr},
       {"gpu", context.gpu},
       {"driver", context.driver},
       {"cuda", context.cuda},
@@ -275,19 +277,23 @@ void apply_speedups(json& records) {
     return Key{record.value("preset", ""), record.value("pass", ""), record.value("ranks", int64_t{0}),
                record.value("tokens_per_rank", int64_t{0})};
   };
-  auto median_of = [](const json& record) {
-    const auto found = record.find("median_ms");
+  auto ms_of = [](const json& record, const char* field) {
+    const auto found = record.find(field);
     return found != record.end() && found->is_number() ? found->get<double>() : 0.0;
   };
-  std::map<Key, double> baseline_ms;
-  for (const json& record : records)
-    if (record.value("impl", "") == "baseline" && median_of(record) > 0)
-      baseline_ms[key(record)] = median_of(record);
-  for (json& record : records) {
-    const auto found = baseline_ms.find(key(record));
-    const double own = median_of(record);
-    record["speedup_vs_baseline"] =
-        found != baseline_ms.end() && own > 0 ? json(found->second / own) : json(nullptr);
+  // The median of all timed runs, and of their later half (both sides' runs in the same regime of the
+  // power limiter; a baseline record without it leaves the late speedup null).
+  for (const auto& [field, speedup] : {std::pair{"median_ms", "speedup_vs_baseline"},
+                                       std::pair{"late_median_ms", "late_speedup_vs_baseline"}}) {
+    std::map<Key, double> baseline_ms;
+    for (const json& record : records)
+      if (record.value("impl", "") == "baseline" && ms_of(record, field) > 0)
+        baseline_ms[key(record)] = ms_of(record, field);
+    for (json& record : records) {
+      const auto found = baseline_ms.find(key(record));
+      const double own = ms_of(record, field);
+      record[speedup] = found != baseline_ms.end() && own > 0 ? json(found->second / own) : json(nullptr);
+    }
   }
 }
 

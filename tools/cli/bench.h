@@ -111,6 +111,7 @@ nlohmann::json make_record(const RecordContext& context, const Measurement& meas
 
 // speedup_vs_baseline of each measured record = the baseline's median_ms / its own, for the baseline record
 // of the same preset, pass, ranks and tokens per rank; 1 for baseline records; null without a match.
+// late_speedup_vs_baseline likewise from late_median_ms, the median of the later half of the timed runs.
 void apply_speedups(nlohmann::json& records);
 
 // ---- the baseline (bench/baselines/torch_moe.py under torchrun) ----------------------------------------

@@ -119,16 +119,19 @@ std::string number(const json& record, const char* key, const char* pattern) {
 void print_table(std::ostream& out, const json& records) {
   int preset_width = 14;
   for (const json& r : records) preset_width = std::max<int>(preset_width, r.value("preset", "").size());
-  out << format("%-9s %-17s %-*s %5s %6s %5s %10s %9s %8s %6s %5s\n", "impl", "pass", preset_width, "preset",
-                "ranks", "T/rank", "sets", "median ms", "TFLOP/s", "speedup", "SM MHz", "W/GPU");
+  out << format("%-9s %-17s %-*s %5s %6s %5s %10s %9s %8s %8s %7s %6s %5s\n", "impl", "pass", preset_width,
+                "preset", "ranks", "T/rank", "sets", "median ms", "TFLOP/s", "speedup", "late ms", "late x",
+                "SM MHz", "W/GPU");
   std::map<std::string, int> errors;  // error -> records it stopped
   for (const json& r : records) {
-    out << format("%-9s %-17s %-*s %5lld %6lld %5s %10s %9s %8s %6s %5s\n", r.value("impl", "").c_str(),
-                  r.value("pass", "").c_str(), preset_width, r.value("preset", "").c_str(),
-                  static_cast<long long>(r.value("ranks", int64_t{0})),
+    out << format("%-9s %-17s %-*s %5lld %6lld %5s %10s %9s %8s %8s %7s %6s %5s\n",
+                  r.value("impl", "").c_str(), r.value("pass", "").c_str(), preset_width,
+                  r.value("preset", "").c_str(), static_cast<long long>(r.value("ranks", int64_t{0})),
                   static_cast<long long>(r.value("tokens_per_rank", int64_t{0})),
                   number(r, "input_sets", "%.0f").c_str(), number(r, "median_ms", "%.3f").c_str(),
                   number(r, "tflops", "%.1f").c_str(), number(r, "speedup_vs_baseline", "%.2fx").c_str(),
+                  number(r, "late_median_ms", "%.3f").c_str(),
+                  number(r, "late_speedup_vs_baseline", "%.2fx").c_str(),
                   number(r, "sm_clock_mhz", "%.0f").c_str(), number(r, "power_w", "%.0f").c_str());
     if (r.contains("error")) ++errors[r["error"].get<std::string>()];
   }
@@ -203,9 +206,11 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
                    static_cast<double>(l2) / (1 << 20), kMaxInputSets,
                    static_cast<long long>(kMaxRotationBytes >> 30));
   std::cout
-      << format("%d rank%s on %s; median of %d timed runs after %d warm-up, per run the slowest rank; %s\n",
-                R, R > 1 ? "s" : "", on_gpu ? facts.name.c_str() : "the CPU reference backend", options.iters,
-                options.warmup, rotation.c_str())
+      << format(
+             "%d rank%s on %s; median of %d timed runs after %d warm-up, per run the slowest rank (late: "
+             "the median of their later half); %s\n",
+             R, R > 1 ? "s" : "", on_gpu ? facts.name.c_str() : "the CPU reference backend", options.iters,
+             options.warmup, rotation.c_str())
       << std::flush;
 
   json records = json::array();

@@ -54,4 +54,12 @@ inline double median(std::vector<double> values) {
   return values.size() % 2 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
 }
 
+// Median of the later half of `values` in run order (from index size / 2 on; all of one value): the speed a
+// GPU settles at once the power limiter has pulled its clock down, which takes a few runs (docs/design.md,
+// "Power"); 0 for none.
+inline double late_half_median(const std::vector<double>& values) {
+  return median(
+      std::vector<double>(values.begin() + static_cast<std::ptrdiff_t>(values.size() / 2), values.end()));
+}
+
 }  // namespace pounce::cli
