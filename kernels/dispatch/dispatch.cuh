@@ -79,6 +79,52 @@ __device__ __forceinline__ void pull_row(const layout::WorkspacePointers& ws, in
   }
 }
 
+// Schedule rows `row` and `second` (none when negative) by one warp. Where both fit in one round of the depth
+// (qwen3's 4 KB rows in 16 loads per lane), each lane loads half its depth from each row before storing
+// either, so the warp waits one NVLink round trip for two rows instead of one per row; otherwise pull_row
+// twice.
+template <int kDepth>
+__device__ __forceinline__ void pull_row_pair(const layout::WorkspacePointers& ws, int64_t row,
+                                              int64_t second) {
+  constexpr int kHalf = kDepth / 2;
+  const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
+  if (second < 0 || row_vectors > 32 * kHalf) {
+    pull_row<kDepth>(ws, row);
+    if (second >= 0) pull_row<kDepth>(ws, second);
+    return;
+  }
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t rows[2] = {row, second};
+  const int4* src[2];
+  int4* dst[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const layout::ScheduleEntry entry = ws.schedule[rows[r]];
+    dst[r] = static_cast<int4*>(ws.x_rows) + rows[r] * row_vectors;
+    src[r] = entry.src_rank < 0
+                 ? nullptr  // padding: zeros, as pull_row writes
+                 : ws.peer<const int4>(entry.src_rank, ws.sym_x) + entry.src_token * row_vectors;
+  }
+  int4 in[2][kHalf];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int d = 0; d < kHalf; ++d) {
+      const int64_t v = lane + 32 * d;
+      in[r][d] = make_int4(0, 0, 0, 0);
+      if (src[r] != nullptr && v < row_vectors) in[r][d] = src[r][v];
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int d = 0; d < kHalf; ++d) {
+      const int64_t v = lane + 32 * d;
+      if (v < row_vectors) dst[r][v] = in[r][d];
+    }
+  }
+}
+
 __device__ __forceinline__ void pull_rows(const layout::WorkspacePointers& ws, int expert_begin,
                                           int expert_end) {
   const int64_t first_row = ws.group_row_offset[expert_begin], end_row = ws.group_row_offset[expert_end];

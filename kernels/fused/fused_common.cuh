@@ -19,6 +19,7 @@
 #include <cuda.h>
 
 #include <new>
+#include <type_traits>
 
 #include "kernels/combine/combine.cuh"
 #include "kernels/common/flags.cuh"
@@ -185,7 +186,8 @@ struct CommunicationPlan {
 };
 
 // Communication CTA `comm_idx`: pulls routed unit 0, 1, ... (`pull_row(row)`, one warp per row, every
-// communication warp a strided share of every unit), bumping rows_ready[j] after each; with the push
+// communication warp a strided share of every unit; a `pull_row(row, second)` takes the warp's rows two at a
+// time, `second` negative past the unit's end), bumping rows_ready[j] after each; with the push
 // combine it also pushes (`push_row(row)`) every unit whose second-GEMM tiles are all stored, between pulls
 // and after the last one.
 template <typename PullRow, typename PushRow>
@@ -214,9 +216,20 @@ __device__ __forceinline__ void run_communication(const layout::WorkspacePointer
     return cta_broadcast(go, ready);
   };
 
+  auto pull_unit = [&](int32_t j) {
+    if constexpr (std::is_invocable_v<PullRow&, int64_t, int64_t>) {
+      const int64_t first = static_cast<int64_t>(j) * shape.unit_blocks * GemmConfig::BLOCK_M;
+      const int64_t end = first + static_cast<int64_t>(shape.routed_blocks(j)) * GemmConfig::BLOCK_M;
+      for (int64_t row = first + warp; row < end; row += 2 * num_warps)
+        pull_row(row, row + num_warps < end ? row + num_warps : int64_t{-1});
+    } else {
+      for_my_rows(j, pull_row);
+    }
+  };
+
   int32_t next_push = 0;
   for (int32_t j = 0; j < num_units; ++j) {
-    for_my_rows(j, pull_row);
+    pull_unit(j);
     __syncthreads();  // this CTA's share of unit j has landed
     if (threadIdx.x == 0) {
       kernels::ptx::fence_proxy_async_global();

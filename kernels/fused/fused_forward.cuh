@@ -62,6 +62,7 @@ struct FusedForwardParams {
   int32_t unit_blocks;  // m-blocks per minibatch
   bool push_combine;    // true: communication CTAs push y_rows; false: down epilogues scatter into slots
   int32_t pull_depth;   // kDeepPullDepth or 8 (fused_pull_depth)
+  bool pull_pairs;      // a warp pulls two short rows per round trip (dispatch::pull_row_pair)
 };
 
 // Kernel parameters above 4 KB need CUDA 12.1+ and a matching driver (this project builds with 13.0).
@@ -399,9 +400,16 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     } else {
       run_communication(
           ws, slots.go, plan, role,
-          [&](int64_t row) {
-            at_pull_depth(params.pull_depth,
-                          [&](auto depth) { dispatch::pull_row<decltype(depth)::value>(ws, row); });
+          [&](int64_t row, int64_t second) {
+            at_pull_depth(params.pull_depth, [&](auto depth) {
+              constexpr int kDepth = decltype(depth)::value;
+              if (params.pull_pairs) {
+                dispatch::pull_row_pair<kDepth>(ws, row, second);
+              } else {
+                dispatch::pull_row<kDepth>(ws, row);
+                if (second >= 0) dispatch::pull_row<kDepth>(ws, second);
+              }
+            });
           },
           [&](int64_t row) { combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row); });
     }

@@ -203,6 +203,9 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
       fused_comm_ctas(workspace, params.push_combine, workspace.config.forward_comm_sms, FusedPass::kForward);
   params.unit_blocks = fused_unit_blocks(workspace, params.push_combine);
   params.pull_depth = fused_pull_depth();
+  // POUNCE_FUSED_PULL_PAIRS=0: one row per warp and round trip, as before pull_row_pair (to compare).
+  const char* pairs = std::getenv("POUNCE_FUSED_PULL_PAIRS");
+  params.pull_pairs = pairs == nullptr || std::string(pairs) != "0";
 
   if (!p.has_ring()) {
     launch_fused_kernel<false>(workspace, params, stream);
