@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Chart `pounce bench` results (bench/results/*.json) as a PNG.
 
-Throughput (TFLOP/s per GPU, useful work as DESIGN.md section 7 counts it) against tokens per rank on a
+Throughput (TFLOP/s per GPU, useful work as docs/design.md §7 counts it) against tokens per rank on a
 log2 axis, one line per (impl, preset, pass): Pounce solid, the PyTorch baseline of the same run dashed,
 each Pounce point labelled with its speed-up over that baseline. When every line would be a single
 point (one token count), it draws grouped bars per (preset, pass) instead.
@@ -79,7 +79,7 @@ def describe(records):
 def footnote(records):
     commits = sorted({str(r.get("commit", "?"))[:12] for r in records if r.get("impl") != "baseline"})
     dates = sorted({str(r.get("date", ""))[:10] for r in records})
-    return (f"TFLOP/s per GPU, useful work (DESIGN.md §7); median of iterations, slowest rank per "
+    return (f"TFLOP/s per GPU, useful work (docs/design.md §7); median of iterations, slowest rank per "
             f"iteration; baseline: all_to_all_single + torch._grouped_mm, same run. "
             f"Pounce commit {', '.join(commits) or '-'}; {', '.join(dates)}")
 

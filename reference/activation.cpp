@@ -1,4 +1,4 @@
-// The gated activations of DESIGN.md §1 and their derivatives, in fp32 (kBf16) or fp64 (kFp64).
+// The gated activations of docs/design.md §1 and their derivatives, in fp32 (kBf16) or fp64 (kFp64).
 //
 //   SwiGLU:  a = silu(g') * u'                       silu(v) = v * sigmoid(v)
 //   GPT-OSS: a = (u' + 1) * g' * sigmoid(alpha * g')

@@ -1,7 +1,7 @@
 // Internals shared by the reference's schedule, forward and backward; not part of the interface.
 //
 // Every routine is templated on the arithmetic type T:
-//   T = float  emulates Numerics::kBf16: fp32 accumulate, bf16 rounding at the points of DESIGN.md §1;
+//   T = float  emulates Numerics::kBf16: fp32 accumulate, bf16 rounding at the points of docs/design.md §1;
 //   T = double is Numerics::kFp64: fp64 everywhere, round_point() is the identity.
 // Products of two bf16 values are exact in fp32, so FMA contraction cannot change a kBf16 dot product;
 // the reference is still built with -ffp-contract=off so every other expression is reproducible too.
@@ -134,7 +134,7 @@ ExpertMatrices<T> make_expert_matrices(const double* gate, const double* up, con
   return m;
 }
 
-// Forward of `rows` independent rows (DESIGN.md §1):
+// Forward of `rows` independent rows (docs/design.md §1):
 //   gu = round(x · [w_gate; w_up]^T)  [rows, 2I]   (g in columns [0, I), u in [I, 2I))
 //   a  = round(act(g, u))             [rows, I]
 //   y  = round(a · w_down^T)          [rows, H]

@@ -1,4 +1,4 @@
-// Forward of the whole expert-parallel group (DESIGN.md §1, §2), simulating the EP protocol:
+// Forward of the whole expert-parallel group (docs/design.md §1, §2), simulating the EP protocol:
 //   1. dispatch: every expert owner pulls the x rows its receive schedule names from the source ranks;
 //   2. experts:  the MLP of each row (rows are independent, so a row's place in the schedule is moot);
 //   3. combine:  each y row is pushed into the owner's private slot y[src][token, slot];

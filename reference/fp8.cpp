@@ -1,4 +1,4 @@
-// FP8 E4M3 (fn) conversions and block quantization with power-of-two (UE8M0) scales (DESIGN.md §1).
+// FP8 E4M3 (fn) conversions and block quantization with power-of-two (UE8M0) scales (docs/design.md §1).
 //
 // E4M3 fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities; 0x7f / 0xff are NaN, so the
 // largest finite value is 0x7e = 1.75 * 2^8 = 448. Normals reach down to 2^-6, subnormals step by 2^-9.

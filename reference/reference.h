@@ -1,7 +1,7 @@
-// CPU reference of the whole expert-parallel group in one process (DESIGN.md §1, §2, §6).
+// CPU reference of the whole expert-parallel group in one process (docs/design.md §1, §2, §6).
 //
 // Plain loops, shapes in comments, parallelised over threads. Two numerics:
-//   kBf16 — reproduces the rounding points of DESIGN.md §1 (fp32 accumulate, bf16 at g, u, a, y, out)
+//   kBf16 — reproduces the rounding points of docs/design.md §1 (fp32 accumulate, bf16 at g, u, a, y, out)
 //           and the backward rounding points in docs/design.md;
 //   kFp64 — no rounding anywhere, fp64 accumulate: the oracle for tolerances and finite differences.
 // Every rank's tensors are held as double; in kBf16 mode inputs must be bf16-representable.
@@ -61,7 +61,7 @@ struct RankSchedule {
   std::vector<ScheduleRow> rows;           // [expert_row_offset[El]]
 };
 
-// Receive schedule of `rank` (DESIGN.md §2): grouped by local expert, each segment padded to block_m,
+// Receive schedule of `rank` (docs/design.md §2): grouped by local expert, each segment padded to block_m,
 // sources interleaved round-robin, ascending (token, slot) within a source.
 RankSchedule build_schedule(const Problem& problem, const std::vector<RankInputs>& ranks, int64_t rank);
 
@@ -89,7 +89,7 @@ std::vector<RankGradients> backward(const Problem& problem, const std::vector<Ra
 double activation(const Activation& act, double g, double u);
 void activation_backward(const Activation& act, double g, double u, double d_a, double* d_g, double* d_u);
 
-// FP8 block quantization (DESIGN.md §1): E4M3 with power-of-two scale per block_rows x block_cols block;
+// FP8 block quantization (docs/design.md §1): E4M3 with power-of-two scale per block_rows x block_cols block;
 // scale = 2^ceil(log2(amax / 448)) (1 for an all-zero block). in [rows, cols] -> q [rows, cols],
 // scale [ceil(rows/block_rows), ceil(cols/block_cols)].
 void quantize_fp8_blocks(const float* in, int64_t rows, int64_t cols, int64_t block_rows, int64_t block_cols,

@@ -1,4 +1,4 @@
-// The receive schedule of one rank (DESIGN.md §2), the table that drives all four EP transfers.
+// The receive schedule of one rank (docs/design.md §2), the table that drives all four EP transfers.
 //
 // Rank r owns experts [r * El, (r + 1) * El). For local expert le the rows are the pairs
 // (src, token, slot) with topk_idx[src][token, slot] == r * El + le:

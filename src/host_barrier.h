@@ -1,5 +1,5 @@
 // A reusable barrier for the R threads of a CPU group whose wait is bounded: a peer that never arrives
-// ends the call with an error naming the wait instead of hanging the process (DESIGN.md §4).
+// ends the call with an error naming the wait instead of hanging the process (docs/design.md §4).
 #pragma once
 
 #include <chrono>

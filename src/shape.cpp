@@ -1,4 +1,4 @@
-// Shape validation and the model presets of DESIGN.md §5.
+// Shape validation and the model presets of docs/design.md §5.
 #include "pounce/shape.h"
 
 #include <cmath>

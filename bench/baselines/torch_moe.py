@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The plain-PyTorch expert-parallel MoE layer that Pounce is measured against (DESIGN.md section 7).
+"""The plain-PyTorch expert-parallel MoE layer that Pounce is measured against (docs/design.md §7).
 
 This is the stack a user assembles today from stock PyTorch, written the way a competent user would:
 
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 GPTOSS_ALPHA = 1.702
 
-# Model presets (DESIGN.md section 5). "deepseek-v3-routed" drops the shared expert, to compare with
+# Model presets (docs/design.md §5). "deepseek-v3-routed" drops the shared expert, to compare with
 # measurements that count routed experts only.
 PRESETS = {
     "qwen3-30b-a3b": dict(hidden=2048, intermediate=768, experts=128, topk=8,
@@ -209,7 +209,7 @@ def reference_forward_fp32(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_g
                            alpha=GPTOSS_ALPHA, round_gu=True):
     """All tensors fp32, weights for ALL experts [E,...]. Loops over slots, dense over tokens.
 
-    round_gu: take g and u at their bf16 values (the rounding point of DESIGN.md section 1) so a
+    round_gu: take g and u at their bf16 values (the rounding point of docs/design.md §1) so a
     clamp `limit` masks the same elements as the bf16 layer does; gradients stay fp32. Without it
     an element within one bf16 ulp of the limit flips between zero and full gradient.
     """
@@ -402,7 +402,7 @@ def _time_iterations(prep, run, nsets, warmup, iters, group, device):
 
 
 def rotation_sets(set_bytes, l2_bytes, min_sets=3, max_sets=256, max_bytes=2 << 30):
-    """Input sets to rotate, by the rule of ``pounce bench`` (tools/cli/bench.h): the fewest (at least
+    """Input sets to rotate, by the rule of ``pounce bench`` (cli/bench.h): the fewest (at least
     ``min_sets``) that together exceed twice the L2, so no iteration finds its inputs' previous use in
     L2; at most ``max_sets`` and ``max_bytes`` in all, but never fewer than 2."""
     if set_bytes <= 0:
@@ -470,7 +470,7 @@ def bench_config(preset, cfg, T, passes, args, rank, R, group, device, meta):
         else:
             raise ValueError(f"--passes: unknown pass {pss!r} (forward | forward_backward)")
         med = statistics.median(times)
-        # the later half of the runs, as `pounce bench`'s late_median_ms (tools/cli/parallel.h)
+        # the later half of the runs, as `pounce bench`'s late_median_ms (cli/parallel.h)
         late = statistics.median(times[len(times) // 2:])
         rec = dict(impl="baseline", **{"pass": pss}, preset=preset, ranks=R, tokens_per_rank=T,
                    precision="bf16", median_ms=round(med, 4), tflops=round(flops / (med * 1e-3) / 1e12, 2),

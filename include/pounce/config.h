@@ -1,4 +1,4 @@
-// Launch and numerics configuration (DESIGN.md §2). Zero means "let the heuristic choose".
+// Launch and numerics configuration (docs/design.md §2). Zero means "let the heuristic choose".
 #pragma once
 
 #include <cstdint>
@@ -38,7 +38,7 @@ struct Config {
 
 // GEMM tile height: every expert segment of the receive schedule is padded to a multiple of it.
 inline constexpr int64_t kBlockM = 128;
-// FP8 block sizes (DESIGN.md §1): 1x128 activations, 128x128 weights.
+// FP8 block sizes (docs/design.md §1): 1x128 activations, 128x128 weights.
 inline constexpr int64_t kFp8Block = 128;
 
 // Throws pounce::Error when a field is out of range for `shape`.

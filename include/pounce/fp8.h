@@ -1,4 +1,4 @@
-// Block-scaled FP8 weights (DESIGN.md §1): E4M3 data with power-of-two (UE8M0) scales per 128x128 block,
+// Block-scaled FP8 weights (docs/design.md §1): E4M3 data with power-of-two (UE8M0) scales per 128x128 block,
 // in both orientations so forward (x·Wᵀ) and backward (dy·W) both read K-major tiles.
 #pragma once
 

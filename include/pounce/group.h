@@ -1,6 +1,6 @@
 // An expert-parallel group: R ranks, one GPU each (or one simulated rank per thread on the CPU backend).
 //
-// On GPUs the group owns an NCCL communicator with symmetric-memory support (DESIGN.md §3). On the CPU
+// On GPUs the group owns an NCCL communicator with symmetric-memory support (docs/design.md §3). On the CPU
 // backend a group of R ranks lives in one process: each rank is driven by its own thread and the ranks
 // meet at host barriers, the way GPUs meet at NVLink barriers.
 #pragma once

@@ -1,4 +1,4 @@
-// The MoE layer after the router (DESIGN.md §1): forward, backward, recompute of the forward context.
+// The MoE layer after the router (docs/design.md §1): forward, backward, recompute of the forward context.
 // All calls are stream-ordered, allocate nothing, and read no routing counts on the host, so a GPU
 // forward+backward can be captured in a CUDA graph and replayed with new routing.
 #pragma once

@@ -1,4 +1,4 @@
-// The shape of one MoE layer on one expert-parallel group (DESIGN.md §1) and the model presets (§5).
+// The shape of one MoE layer on one expert-parallel group (docs/design.md §1) and the model presets (§5).
 #pragma once
 
 #include <cstdint>

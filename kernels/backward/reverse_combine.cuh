@@ -1,4 +1,4 @@
-// Backward, token side and reverse-combine (DESIGN.md §1-§2; reference/backward.cpp phase 1).
+// Backward, token side and reverse-combine (docs/design.md §1-§2; reference/backward.cpp phase 1).
 //
 //   stage_inputs   : sym_d_out[t] = d_out[t] for t < T, 0 up to round_up(T, 128) (the shared expert's rows);
 //                    sym_topk_weights[t, j] = topk_weights[t, j]. Peers pull both after the barrier.

@@ -1,4 +1,4 @@
-// Combine (DESIGN.md §1-§2): expert owners PUSH each output row into the token owner's private slot,
+// Combine (docs/design.md §1-§2): expert owners PUSH each output row into the token owner's private slot,
 // then every rank reduces its own tokens.
 //
 //   push         : peer(src_rank).y_slots[src_token][slot] = y_rows[row]   for every non-padding row

@@ -1,5 +1,5 @@
 // Named release/acquire operations, bounded spin-waits, the device error record and the cross-GPU
-// phase barrier (DESIGN.md §2-§4). The only raw asm of the communication stages lives here.
+// phase barrier (docs/design.md §2-§4). The only raw asm of the communication stages lives here.
 //
 // Phase barrier: every rank owns an inbox uint32[R] in its symmetric allocation. Arriving at epoch e,
 // rank r stores e into inbox[r] of every peer with st.release.sys (which also publishes every store

@@ -1,4 +1,4 @@
-// Dispatch (DESIGN.md §2): expert owners PULL token rows from the source rank's symmetric x.
+// Dispatch (docs/design.md §2): expert owners PULL token rows from the source rank's symmetric x.
 //
 //   stage_x : sym_x[t] = x[t] for t < T, 0 for T <= t < round_up(T, 128); shared_row_offset = {0, that}
 //             (the shared expert's GEMMs run on sym_x as one group of round_up(T, 128) rows)

@@ -1,7 +1,7 @@
 // What the fused kernels (fused_forward.cuh, fused_backward.cuh) share: the GPU-scope counters and their
 // bounded waits, the per-CTA task handoff, the communication CTAs' pull/push loop and the scatter epilogue.
 //
-// Both kernels run the same shape of work (DESIGN.md §2): per minibatch ("unit") of routed m-blocks, the
+// Both kernels run the same shape of work (docs/design.md §2): per minibatch ("unit") of routed m-blocks, the
 // communication CTAs pull rows from the token owners (forward: x; backward: w * d_out), a first GEMM
 // (gate/up; d_a with the activation backward) and a second GEMM that reads the first one's output of the
 // same m-block (down; d_x), then the second GEMM's rows go back to the owners' (token, slot) slots, pushed

@@ -1,4 +1,4 @@
-// The GPU workspace of one rank (DESIGN.md §2-§4): ONE struct that lists every region, its size
+// The GPU workspace of one rank (docs/design.md §2-§4): ONE struct that lists every region, its size
 // formula and its offset. Host code sizes and carves the allocation with it; kernels receive the carved
 // pointers (WorkspacePointers) by value. Usable from host and device code.
 //

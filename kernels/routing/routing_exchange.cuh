@@ -1,4 +1,4 @@
-// Routing exchange (DESIGN.md §2): every rank needs every rank's topk_idx to build its receive schedule.
+// Routing exchange (docs/design.md §2): every rank needs every rank's topk_idx to build its receive schedule.
 //
 //   rank r, for every peer p (itself included):
 //     peer p .routing_tokens[r]      = T_r                              int32

@@ -1,4 +1,4 @@
-// Receive schedule (DESIGN.md §2), built on the device from the exchanged routing; mirrors
+// Receive schedule (docs/design.md §2), built on the device from the exchanged routing; mirrors
 // reference::build_schedule exactly.
 //
 // Rank r owns experts [r*El, (r+1)*El). For local expert le, the pairs (src, token, slot) with

@@ -1,4 +1,4 @@
-// The fused forward kernel's task list (DESIGN.md §2): every GEMM tile of one forward pass in a topological
+// The fused forward kernel's task list (docs/design.md §2): every GEMM tile of one forward pass in a topological
 // order, handed out by an atomic ticket, so a persistent grid never waits on a tile that has not been
 // handed out.
 //

@@ -35,7 +35,7 @@ void nccl_check(ncclResult_t status, const char* what, const char* fix) {
                "); ", fix);
 }
 
-// NVLink SHARP (multicast) is never used (DESIGN.md §3): NCCL must not set it up behind our back.
+// NVLink SHARP (multicast) is never used (docs/design.md §3): NCCL must not set it up behind our back.
 void require_nvls_disabled() {
   const char* value = std::getenv("NCCL_NVLS_ENABLE");
   if (value == nullptr) {

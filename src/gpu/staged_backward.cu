@@ -1,4 +1,4 @@
-// The staged backward (DESIGN.md §1, §4): the chain of standalone stage kernels that the fused backward
+// The staged backward (docs/design.md §1, §4): the chain of standalone stage kernels that the fused backward
 // kernel (src/gpu/fused_backward.cu) runs as one launch between the same prologue and epilogue.
 // Stream-ordered, nothing allocated, no routing count read on the host: the schedule, row offsets and routed
 // activations of the forward context drive every kernel on the device, so the whole chain is capturable in a

@@ -1,4 +1,4 @@
-// The staged forward (DESIGN.md §4): the chain of standalone stage kernels, each a thin wrapper over the
+// The staged forward (docs/design.md §4): the chain of standalone stage kernels, each a thin wrapper over the
 // device function the fused kernel will call. Stream-ordered, nothing allocated, no routing count read on
 // the host (every kernel reads group_row_offset on the device), so the whole chain is capturable in a CUDA
 // graph and replays with new routing written into the same input buffers.

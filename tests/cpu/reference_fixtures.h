@@ -1,5 +1,5 @@
 // Shared helpers for the reference tests: random cases, splitting one global batch over ranks, and a
-// plain per-token oracle that follows DESIGN.md §1 literally (no schedule, no chunks, no threads).
+// plain per-token oracle that follows docs/design.md §1 literally (no schedule, no chunks, no threads).
 #pragma once
 
 #include <gtest/gtest.h>

@@ -1,5 +1,5 @@
-// `pounce bench`'s method (tools/cli/bench.h) and the runner's rotation and rank alignment
-// (tools/cli/runner.h), without a GPU: passes, useful flops, input sets, records, same-run speed-ups, the
+// `pounce bench`'s method (cli/bench.h) and the runner's rotation and rank alignment
+// (cli/runner.h), without a GPU: passes, useful flops, input sets, records, same-run speed-ups, the
 // baseline's command line, and a whole measurement on the CPU reference backend.
 #include <gtest/gtest.h>
 
@@ -9,10 +9,10 @@
 #include <thread>
 
 #include "pounce/error.h"
-#include "tools/cli/bench.h"
-#include "tools/cli/inputs.h"
-#include "tools/cli/runner.h"
-#include "tools/cli/telemetry.h"
+#include "cli/bench.h"
+#include "cli/inputs.h"
+#include "cli/runner.h"
+#include "cli/telemetry.h"
 
 namespace pounce::cli {
 namespace {

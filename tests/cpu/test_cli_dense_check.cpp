@@ -1,4 +1,4 @@
-// The CLI's fp64 dense check (tools/cli/dense_check.h) against the CPU reference in Numerics::kFp64: two
+// The CLI's fp64 dense check (cli/dense_check.h) against the CPU reference in Numerics::kFp64: two
 // independent evaluations of the same layer (dense per token vs schedule + dispatch) must agree to fp64
 // rounding on every output.
 #include <gtest/gtest.h>
@@ -7,8 +7,8 @@
 
 #include "reference/bf16.h"
 #include "reference/reference.h"
-#include "tools/cli/dense_check.h"
-#include "tools/cli/inputs.h"
+#include "cli/dense_check.h"
+#include "cli/inputs.h"
 
 namespace pounce::cli {
 namespace {

@@ -1,4 +1,4 @@
-// The CLI's input generator and flop counter (tools/cli/inputs.h).
+// The CLI's input generator and flop counter (cli/inputs.h).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -6,7 +6,7 @@
 #include <set>
 
 #include "pounce/error.h"
-#include "tools/cli/inputs.h"
+#include "cli/inputs.h"
 
 namespace pounce::cli {
 namespace {

@@ -1,8 +1,8 @@
-// `pounce run`'s decisions before it runs (tools/cli/run_setup.h): backend choice, defaults, presets.
+// `pounce run`'s decisions before it runs (cli/run_setup.h): backend choice, defaults, presets.
 #include <gtest/gtest.h>
 
 #include "pounce/error.h"
-#include "tools/cli/run_setup.h"
+#include "cli/run_setup.h"
 
 namespace pounce::cli {
 namespace {

@@ -35,7 +35,7 @@ Activation clamped(Activation act, float limit) {
 }
 
 // Every output, both numerics, both activations (clamp active on some entries), with and without the
-// shared expert: equal bitwise to the oracle, which follows DESIGN.md §1 token by token.
+// shared expert: equal bitwise to the oracle, which follows docs/design.md §1 token by token.
 TEST(ReferenceForward, MatchesPlainOracleBitwise) {
   uint32_t seed = 100;
   for (Numerics numerics : {Numerics::kBf16, Numerics::kFp64}) {

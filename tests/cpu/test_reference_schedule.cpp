@@ -1,4 +1,4 @@
-// build_schedule() (DESIGN.md §2) on hand-computed cases, and its invariants on random routing.
+// build_schedule() (docs/design.md §2) on hand-computed cases, and its invariants on random routing.
 #include <gtest/gtest.h>
 
 #include <map>

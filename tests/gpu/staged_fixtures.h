@@ -1,6 +1,6 @@
 // Shared fixtures of the staged GPU tests (test_staged_forward.cpp, test_staged_backward.cpp): the model
 // and per-rank test data built from a seed, the same problem for the CPU reference, device buffers behind
-// the public API's tensor views, a thread-per-GPU driver, and the DESIGN.md §6 comparison.
+// the public API's tensor views, a thread-per-GPU driver, and the docs/design.md §6 comparison.
 //
 // Test data encodes its origin: x rows differ per rank and token, so a misrouted row shows up at once.
 #pragma once
@@ -126,7 +126,7 @@ void run_ranks(int num_ranks, const std::function<void(const Group& group, int r
 
 // ---- checks ----
 
-// DESIGN.md §6 per tensor: max|gpu - ref64| <= 2 * max|ref_bf16 - ref64| + atol, i.e. the GPU is no further
+// docs/design.md §6 per tensor: max|gpu - ref64| <= 2 * max|ref_bf16 - ref64| + atol, i.e. the GPU is no further
 // from the exact answer than twice the bf16 reference's own rounding noise (accumulation order differs, so
 // an element may sit an ulp or a flipped rounding away from ref_bf16). atol = 1e-6 * max|ref64| + extra_atol.
 // `dims` name the coordinates of a failure. Returns "" on success, else the first coordinate beyond the

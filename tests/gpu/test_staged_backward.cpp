@@ -13,7 +13,7 @@
 //                 copied into the captured buffers   -> bitwise equal to eager
 // Before each run every output is poisoned with 0xFF bytes (a bf16 and an fp32 NaN) at max_tokens capacity;
 // d_x and d_topk_weights rows at or beyond T must keep the poison.
-// Reference (Numerics::kBf16 rounding points; Numerics::kFp64 the exact answer), DESIGN.md §6 per tensor:
+// Reference (Numerics::kBf16 rounding points; Numerics::kFp64 the exact answer), docs/design.md §6 per tensor:
 // max|gpu - ref64| <= 2 * max|ref_bf16 - ref64| + atol for d_x, d_topk_weights (fp32 values), each local
 // expert's d_routed.{gate,up,down} and d_shared.{gate,up,down}. Exact: an unused slot's d_topk_weights is 0;
 // an expert without rows (and the shared expert of a rank without tokens) gets exact zeros, and nothing is

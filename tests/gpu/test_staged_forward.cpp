@@ -6,7 +6,7 @@
 // from bf16 to double):
 //   - the receive schedule rows and segment offsets read back from the workspace equal
 //     reference::build_schedule exactly;
-//   - y per (token, used slot) and out within rounding-order noise (DESIGN.md §6): max|gpu - ref64| <=
+//   - y per (token, used slot) and out within rounding-order noise (docs/design.md §6): max|gpu - ref64| <=
 //     2 * max|ref_bf16 - ref64| + atol per tensor (GEMM accumulation order differs from the reference's).
 // The model, test data, device buffers and the §6 comparison are shared with the backward test
 // (staged_fixtures.h).
@@ -68,7 +68,7 @@ struct RankResult {
 
 // How each rank drives its calls: eager twice (default: the fused kernel, Config's default path), through a
 // captured CUDA graph, or the staged chain first and the fused kernel second (check_call then demands
-// fused == staged bitwise, DESIGN.md §6).
+// fused == staged bitwise, docs/design.md §6).
 enum class Mode { kEagerTwice, kGraphVsEager, kStagedVsFused };
 
 // One rank's share of `calls` on `device` through `group`; fills results[call][rank]. Throws on failure.
@@ -298,7 +298,7 @@ TEST(StagedForward, TwoRanksMediumAdversarial) {
                 Mode::kEagerTwice, "two ranks medium");
 }
 
-// DESIGN.md §6 shape matrix at the large end: 4096 tokens per rank, top-1 and top-8, with a shared expert.
+// docs/design.md §6 shape matrix at the large end: 4096 tokens per rank, top-1 and top-8, with a shared expert.
 TEST(StagedForward, TwoRanksLargeTopOneAndTopEight) {
   SKIP_UNLESS_GPUS(2);
   for (int64_t k : {1, 8}) {

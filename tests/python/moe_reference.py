@@ -1,9 +1,9 @@
-"""Plain numpy reference of the whole EP group (DESIGN.md §1), for the Python tests.
+"""Plain numpy reference of the whole EP group (docs/design.md §1), for the Python tests.
 
 ``reference(problem, ranks, bf16=False)`` evaluates the layer in float64; with ``bf16=True`` it rounds
-to bf16 at the points that DESIGN.md §1 (forward) and docs/design.md (backward) fix, with float64
+to bf16 at the points that docs/design.md §1 (forward) and docs/design.md (backward) fix, with float64
 between them. The first is the truth, the second measures how far an honest bf16 implementation lands
-from it: DESIGN.md §6 passes a result when ``max|got - ref64| <= 2 * max|ref_bf16 - ref64| + atol``.
+from it: docs/design.md §6 passes a result when ``max|got - ref64| <= 2 * max|ref_bf16 - ref64| + atol``.
 
 Inputs per rank (``RankData``): x [T,H], topk_idx [T,k], topk_weights [T,k], d_out [T,H], the rank's
 routed weights w_gate/w_up [El,I,H], w_down [El,H,I] and the shared weights (replicas; rank 0's are
@@ -149,7 +149,7 @@ def reference(p: Problem, ranks: list[RankData], bf16: bool = False) -> list[Ran
 
 
 def check_close(name: str, got, ref64, ref_bf16, rel_atol: float = 1e-3):
-    """DESIGN.md §6: max|got - ref64| <= 2 * max|ref_bf16 - ref64| + atol (atol relative to the tensor's
+    """docs/design.md §6: max|got - ref64| <= 2 * max|ref_bf16 - ref64| + atol (atol relative to the tensor's
     scale). Raises AssertionError naming the tensor, the worst coordinate and the values."""
     got = np.asarray(got, dtype=np.float64)
     ref64 = np.asarray(ref64, dtype=np.float64)

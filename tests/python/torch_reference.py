@@ -2,7 +2,7 @@
 
 ``group_reference(inputs, routed, shared, dtype)`` runs the layer for every rank's tokens with dense
 per-expert loops: in float64 it is the truth, in bfloat16 (fp32 sums over the slots, as a careful
-PyTorch user writes them) it is the noise an ordinary bf16 implementation has. DESIGN.md §6 passes a
+PyTorch user writes them) it is the noise an ordinary bf16 implementation has. docs/design.md §6 passes a
 result when ``max|got - ref64| <= 2 * max|ref_bf16 - ref64| + atol`` (moe_reference.check_close).
 
 inputs: per rank (x [T,H], topk_idx [T,k], topk_weights [T,k], d_out [T,H]); routed: the full

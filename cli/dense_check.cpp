@@ -1,4 +1,4 @@
-#include "tools/cli/dense_check.h"
+#include "cli/dense_check.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,7 +9,7 @@
 #include "pounce/error.h"
 #include "reference/bf16.h"
 #include "reference/reference.h"
-#include "tools/cli/parallel.h"
+#include "cli/parallel.h"
 
 namespace pounce::cli {
 namespace {

@@ -1,4 +1,4 @@
-// An independent fp64 check of one MoE layer forward + backward (DESIGN.md §1, §6).
+// An independent fp64 check of one MoE layer forward + backward (docs/design.md §1, §6).
 //
 // Dense and per token: no schedule, no dispatch, no expert parallelism. For token t of rank r
 //   out[t]  = MLP_shared(x[t]) + sum_j w[t,j] * MLP_e(x[t]),   e = topk_idx[t,j], weights from rank e / El
@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "pounce/shape.h"
-#include "tools/cli/inputs.h"
+#include "cli/inputs.h"
 
 namespace pounce::cli {
 
@@ -91,7 +91,7 @@ struct RankOutputs {
 SampledTensors gather_rank(const CheckPlan& plan, const Shape& shape, int64_t rank,
                            const RankOutputs& outputs);
 
-// One line of the check table (DESIGN.md §6 style).
+// One line of the check table (docs/design.md §6 style).
 struct TensorCheck {
   std::string name;
   int64_t count = 0;

@@ -1,4 +1,4 @@
-#include "tools/cli/report.h"
+#include "cli/report.h"
 
 #include <cstdarg>
 #include <cstdio>

@@ -1,4 +1,4 @@
-// The method of `pounce bench` (DESIGN.md §7), apart from the command that drives it: which passes are
+// The method of `pounce bench` (docs/design.md §7), apart from the command that drives it: which passes are
 // timed, how many input sets rotate so that L2 holds none of them, the useful flops and crossing bytes a
 // pass counts, the records and their same-run speed-ups, the baseline's command line. All of it but
 // measure() is pure and unit-tested without a GPU (tests/cpu/test_cli_bench.cpp).
@@ -13,9 +13,9 @@
 
 #include "pounce/config.h"
 #include "pounce/shape.h"
-#include "tools/cli/inputs.h"
-#include "tools/cli/progress.h"
-#include "tools/cli/runner.h"
+#include "cli/inputs.h"
+#include "cli/progress.h"
+#include "cli/runner.h"
 
 namespace pounce::cli {
 
@@ -29,7 +29,7 @@ const char* to_string(BenchPass pass);  // "forward" | "backward" | "forward_bac
 std::vector<BenchPass> parse_passes(const std::vector<std::string>& names);
 bool needs_backward(const std::vector<BenchPass>& passes);
 
-// Useful work of `pass` (DESIGN.md §7): the forward's flops once, backward twice, forward + backward three
+// Useful work of `pass` (docs/design.md §7): the forward's flops once, backward twice, forward + backward three
 // times. No padding rows, no recompute.
 double pass_flops(BenchPass pass, double forward_flops);
 
@@ -69,7 +69,7 @@ struct Measurement {
   int iters = 0;
   int input_sets = 1;
   int64_t macrobatch_size = 0;   // Config::macrobatch_size of the runs (0 = the worst case)
-  double flops = 0.0;            // useful work per rank (DESIGN.md §7), averaged over ranks
+  double flops = 0.0;            // useful work per rank (docs/design.md §7), averaged over ranks
   double crossing_bytes = 0.0;   // bytes of token rows that cross to another rank, per rank
   std::vector<double> times_ms;  // per timed run, the slowest rank; empty when not measured
   std::string error;             // why it was not measured
@@ -105,7 +105,7 @@ struct RecordContext {
   std::string gpu, driver, cuda, nccl, commit, command, date;
 };
 
-// A record with every key of DESIGN.md §7 (median_ms, tflops null when not measured, with "error" then),
+// A record with every key of docs/design.md §7 (median_ms, tflops null when not measured, with "error" then),
 // speedup_vs_baseline null until apply_speedups, and the shape, timing method and crossing bandwidth.
 nlohmann::json make_record(const RecordContext& context, const Measurement& measurement);
 

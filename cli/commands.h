@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "tools/cli/run_setup.h"
+#include "cli/run_setup.h"
 
 namespace pounce::cli {
 

@@ -1,11 +1,11 @@
-#include "tools/cli/inputs.h"
+#include "cli/inputs.h"
 
 #include <cmath>
 #include <numbers>
 #include <random>
 
 #include "reference/bf16.h"
-#include "tools/cli/parallel.h"
+#include "cli/parallel.h"
 
 namespace pounce::cli {
 namespace {

@@ -1,6 +1,6 @@
 // The GPU side of `pounce run` / `pounce bench`: one thread per rank, each on its own device (rank r uses
 // device r), inputs generated on the host and copied, timings from CUDA events on the rank's stream.
-#include "tools/cli/runner.h"
+#include "cli/runner.h"
 
 #include "pounce/error.h"
 

@@ -1,12 +1,12 @@
 // The `pounce` command-line tool: run (one checked, timed MoE layer), bench (sweeps against the PyTorch
-// baseline), info (build, devices, backend choice). DESIGN.md §5.
+// baseline), info (build, devices, backend choice). docs/design.md §5.
 #include <CLI/CLI.hpp>
 
 #include <iostream>
 #include <string>
 
 #include "pounce/error.h"
-#include "tools/cli/commands.h"
+#include "cli/commands.h"
 
 namespace {
 
@@ -34,7 +34,7 @@ std::string strip_prefix(const std::string& message) {
 
 int main(int argc, char** argv) {
   using namespace pounce::cli;
-  CLI::App app{"Pounce: a fused Mixture-of-Experts layer for Hopper GPUs (DESIGN.md §5)"};
+  CLI::App app{"Pounce: a fused Mixture-of-Experts layer for Hopper GPUs (docs/design.md §5)"};
   app.require_subcommand(1);
 
   // ---- run ---------------------------------------------------------------------------------------------

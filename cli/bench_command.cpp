@@ -1,7 +1,7 @@
 // `pounce bench`: presets x tokens per rank x impls on every visible GPU, timed through the public API by
-// the method of DESIGN.md §7 (tools/cli/bench.h), with the PyTorch baseline (bench/baselines/torch_moe.py
+// the method of docs/design.md §7 (cli/bench.h), with the PyTorch baseline (bench/baselines/torch_moe.py
 // under torchrun) measured in the same run on the same GPUs, after ours so the two never share them.
-// Writes bench/results/<name>.json: a list of records with the keys of DESIGN.md §7.
+// Writes bench/results/<name>.json: a list of records with the keys of docs/design.md §7.
 #include <unistd.h>
 
 #include <cstdlib>
@@ -13,13 +13,13 @@
 #include "pounce/error.h"
 #include "pounce/version.h"
 #include "src/gpu_backend.h"
-#include "tools/cli/bench.h"
-#include "tools/cli/commands.h"
-#include "tools/cli/inputs.h"
-#include "tools/cli/progress.h"
-#include "tools/cli/report.h"
-#include "tools/cli/run_setup.h"
-#include "tools/cli/telemetry.h"
+#include "cli/bench.h"
+#include "cli/commands.h"
+#include "cli/inputs.h"
+#include "cli/progress.h"
+#include "cli/report.h"
+#include "cli/run_setup.h"
+#include "cli/telemetry.h"
 
 #ifdef POUNCE_HAS_CUDA
 #include <cuda_runtime.h>
@@ -54,7 +54,7 @@ int64_t l2_bytes() {
   return kAssumedL2Bytes;
 }
 
-// NVLink SHARP / multicast stay off (DESIGN.md §3) in our NCCL and in the baseline's processes, unless the
+// NVLink SHARP / multicast stay off (docs/design.md §3) in our NCCL and in the baseline's processes, unless the
 // caller chose otherwise; the baseline's records name our commit where the tree has no git metadata.
 void set_default_environment(const std::string& commit) {
   setenv("NCCL_NVLS_ENABLE", "0", 0);

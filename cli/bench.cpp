@@ -1,11 +1,11 @@
-#include "tools/cli/bench.h"
+#include "cli/bench.h"
 
 #include <algorithm>
 #include <map>
 #include <tuple>
 
 #include "pounce/error.h"
-#include "tools/cli/parallel.h"
+#include "cli/parallel.h"
 
 namespace pounce::cli {
 namespace {

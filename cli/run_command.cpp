@@ -4,13 +4,13 @@
 #include <iostream>
 
 #include "pounce/error.h"
-#include "tools/cli/commands.h"
-#include "tools/cli/dense_check.h"
-#include "tools/cli/inputs.h"
-#include "tools/cli/parallel.h"
-#include "tools/cli/progress.h"
-#include "tools/cli/report.h"
-#include "tools/cli/runner.h"
+#include "cli/commands.h"
+#include "cli/dense_check.h"
+#include "cli/inputs.h"
+#include "cli/parallel.h"
+#include "cli/progress.h"
+#include "cli/report.h"
+#include "cli/runner.h"
 
 namespace pounce::cli {
 namespace {
@@ -53,7 +53,7 @@ void print_checks(std::ostream& out, const std::vector<TensorCheck>& checks, std
 }
 
 void print_timing(std::ostream& out, const Timing& timing, int iters) {
-  out << format("timing (median of %d run%s, per run the slowest rank; TFLOP/s per rank as DESIGN.md §7):\n",
+  out << format("timing (median of %d run%s, per run the slowest rank; TFLOP/s per rank as docs/design.md §7):\n",
                 iters, iters > 1 ? "s" : "");
   out << format("  forward            %10.3f ms  %8.3g TFLOP/s\n", timing.forward_ms,
                 tflops(timing.forward_flops, timing.forward_ms));

@@ -16,9 +16,9 @@
 
 #include "pounce/config.h"
 #include "pounce/layer.h"
-#include "tools/cli/dense_check.h"
-#include "tools/cli/inputs.h"
-#include "tools/cli/progress.h"
+#include "cli/dense_check.h"
+#include "cli/inputs.h"
+#include "cli/progress.h"
 
 namespace pounce::cli {
 
@@ -32,7 +32,7 @@ struct RunRequest {
   bool run_backward = true;
   Progress* progress = nullptr;
   // Input sets rotated over the runs (run i uses set i % num_input_sets), so that L2 does not keep one
-  // run's x, topk_idx, topk_weights and d_out for the next (DESIGN.md §7). Set 0 is the problem as
+  // run's x, topk_idx, topk_weights and d_out for the next (docs/design.md §7). Set 0 is the problem as
   // generated (the one the check plan reads); set s holds the same tokens shifted by input_set_shift rows,
   // so every set routes the same pairs, at its own addresses.
   int num_input_sets = 1;

@@ -1,4 +1,4 @@
-#include "tools/cli/run_setup.h"
+#include "cli/run_setup.h"
 
 #include <unistd.h>
 

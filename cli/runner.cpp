@@ -1,4 +1,4 @@
-#include "tools/cli/runner.h"
+#include "cli/runner.h"
 
 #include <algorithm>
 #include <chrono>
@@ -12,7 +12,7 @@
 #include "pounce/layer.h"
 #include "pounce/workspace.h"
 #include "reference/bf16.h"
-#include "tools/cli/telemetry.h"
+#include "cli/telemetry.h"
 
 namespace pounce::cli {
 

@@ -5,8 +5,8 @@
 
 #include "pounce/version.h"
 #include "src/gpu_backend.h"
-#include "tools/cli/commands.h"
-#include "tools/cli/report.h"
+#include "cli/commands.h"
+#include "cli/report.h"
 
 namespace pounce::cli {
 

@@ -1,4 +1,4 @@
-#include "tools/cli/telemetry.h"
+#include "cli/telemetry.h"
 
 #include <dlfcn.h>
 

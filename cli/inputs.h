@@ -1,5 +1,5 @@
 // The inputs of one `pounce run`: a whole expert-parallel group's tensors on the host, generated from a
-// seed, and the flop count of DESIGN.md §7.
+// seed, and the flop count of docs/design.md §7.
 //
 //   x, d_out            ~ N(0, 1)                 rounded to bf16, never zero
 //   routed/shared W     ~ N(0, 1/sqrt(fan_in))    rounded to bf16, never zero (fan_in = H for gate/up,
@@ -47,7 +47,7 @@ HostProblem generate_problem(const Shape& shape, const Activation& activation, u
 // Routed (token, slot) pairs with an expert id >= 0, summed over ranks.
 int64_t count_routed_pairs(const HostProblem& problem);
 
-// DESIGN.md §7 forward flops per GPU: (6 * pairs * H * I + 6 * tokens * H * Is) / R, with pairs and
+// docs/design.md §7 forward flops per GPU: (6 * pairs * H * I + 6 * tokens * H * Is) / R, with pairs and
 // tokens summed over the R ranks. Backward counts twice that.
 double forward_flops_per_rank(int64_t routed_pairs, int64_t total_tokens, int64_t hidden,
                               int64_t intermediate, int64_t shared_intermediate, int64_t num_ranks);
