@@ -79,6 +79,10 @@ int main(int argc, char** argv) {
       ->add_option("--backward-kernel", run.backward_kernel,
                    "backward on GPUs: auto (by shape) | fused | staged")
       ->capture_default_str();
+  run_app
+      ->add_option("--combine", run.combine,
+                   "fused kernels on GPUs: auto (by shape) | push (communication SMs) | scatter (epilogues)")
+      ->capture_default_str();
   add_optional(run_app, check_tokens, "--check-tokens",
                "tokens per rank in the fp64 check (0 = all; default: all on the CPU, 8..64 on GPUs)");
   run_app->add_option("--check-experts", run.check_experts, "experts per rank in the weight-gradient check")

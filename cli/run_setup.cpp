@@ -64,6 +64,13 @@ KernelPath parse_kernel_path(const std::string& name, const char* option) {
   return KernelPath::kAuto;
 }
 
+CombineMode parse_combine(const std::string& name) {
+  if (name == "push") return CombineMode::kPush;
+  if (name == "scatter") return CombineMode::kScatter;
+  POUNCE_CHECK(name == "auto", "--combine ", name, " is unknown; choose auto, push or scatter");
+  return CombineMode::kAuto;
+}
+
 Activation parse_activation(const std::string& name, std::optional<float> clamp, const Activation& fallback) {
   Activation activation = fallback;
   if (name == "swiglu") {
@@ -152,6 +159,7 @@ RunSetup resolve_run(const RunOptions& options, const BackendChoice& backend, co
   setup.config.macrobatch_size = options.macrobatch;
   setup.config.kernel_path = parse_kernel_path(options.kernel, "--kernel");
   setup.config.backward_kernel_path = parse_kernel_path(options.backward_kernel, "--backward-kernel");
+  setup.config.combine = parse_combine(options.combine);
   setup.config.backend = backend.backend;
   validate(setup.config, shape);
   setup.shape = shape;

@@ -27,6 +27,7 @@ struct RunOptions {
   int64_t macrobatch = 0;
   std::string kernel = "fused";          // fused | staged | auto (GPU forward)
   std::string backward_kernel = "auto";  // auto | fused | staged (GPU backward)
+  std::string combine = "auto";          // auto | push | scatter (the fused kernels' combine)
   std::optional<int64_t> check_tokens;   // per rank; 0 = all
   int64_t check_experts = 2;             // per rank
   int64_t check_rows = 4;                // per sampled expert

@@ -51,6 +51,18 @@ const char* to_string(KernelPath path) {
   return "?";
 }
 
+const char* to_string(CombineMode mode) {
+  switch (mode) {
+    case CombineMode::kAuto:
+      return "auto";
+    case CombineMode::kPush:
+      return "push";
+    case CombineMode::kScatter:
+      return "scatter";
+  }
+  return "?";
+}
+
 const char* to_string(Backend backend) {
   switch (backend) {
     case Backend::kAuto:

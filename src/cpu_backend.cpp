@@ -86,7 +86,7 @@ void publish(WorkspaceState& state, const void* args, const std::string& local_e
   const int rank = state.group.rank();
   group.published[rank] = args;
   group.errors[rank] = local_error;
-  group.barrier.arrive_and_wait(std::string(call) + ": inputs published", rank, peer_timeout());
+  group.barrier.arrive_and_wait(std::string(call) + ": inputs published", rank, state.environment.peer_timeout);
   std::string first_error;
   for (int peer = 0; peer < group.num_ranks && first_error.empty(); ++peer) {
     if (group.errors[peer].empty()) continue;
@@ -95,7 +95,7 @@ void publish(WorkspaceState& state, const void* args, const std::string& local_e
                       : "rank " + std::to_string(peer) + " rejected its inputs: " + group.errors[peer];
   }
   // Every rank has read the errors before anyone may publish the next call's.
-  group.barrier.arrive_and_wait(std::string(call) + ": errors read", rank, peer_timeout());
+  group.barrier.arrive_and_wait(std::string(call) + ": errors read", rank, state.environment.peer_timeout);
   if (!first_error.empty()) throw Error(first_error.substr(first_error.rfind("pounce: ", 0) == 0 ? 8 : 0));
 }
 
@@ -112,7 +112,7 @@ void evaluate_on_rank0(WorkspaceState& state, const char* call, Evaluate&& evalu
       group.group_error = error.what();
     }
   }
-  group.barrier.arrive_and_wait(std::string(call) + ": group evaluated", rank, peer_timeout());
+  group.barrier.arrive_and_wait(std::string(call) + ": group evaluated", rank, state.environment.peer_timeout);
   if (!group.group_error.empty())
     throw Error(std::string(call) + " failed on the group: " + group.group_error);
 }
@@ -124,7 +124,7 @@ void create_workspace(WorkspaceState& state) {
   const int rank = state.group.rank();
   std::string error;
   group.published[rank] = &state;
-  group.barrier.arrive_and_wait("workspace: config published", rank, peer_timeout());
+  group.barrier.arrive_and_wait("workspace: config published", rank, state.environment.peer_timeout);
   const auto& first = *static_cast<const WorkspaceState*>(group.published[0]);
   if (!(first.shape == state.shape) || !(first.config.activation == state.config.activation) ||
       first.config.precision != state.config.precision ||

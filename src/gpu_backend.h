@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "pounce/layer.h"
+#include "src/environment.h"
 
 namespace pounce::gpu {
 
@@ -27,7 +28,7 @@ std::shared_ptr<GpuGroup> create_group_from_env(int* rank, int* num_ranks);
 // Owning handle; the deleter frees device memory (collective deregistration on GPUs).
 using GpuWorkspacePtr = std::unique_ptr<GpuWorkspace, void (*)(GpuWorkspace*)>;
 GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup> group, int rank, const Shape& shape,
-                                 const Config& config);
+                                 const Config& config, const Environment& environment);
 
 void forward(GpuWorkspace& workspace, const ForwardArgs& args, void* stream);
 void backward(GpuWorkspace& workspace, const BackwardArgs& args, void* stream);

@@ -1,6 +1,5 @@
 #include "src/host_barrier.h"
 
-#include <cstdlib>
 
 #include "pounce/error.h"
 
@@ -27,12 +26,6 @@ void HostBarrier::arrive_and_wait(const std::string& what, int rank, std::chrono
   }
   POUNCE_CHECK(!broken_ || generation_ != my_generation, "rank ", rank, " left '", what,
                "': a peer timed out at this barrier; create a new group");
-}
-
-std::chrono::milliseconds peer_timeout() {
-  const char* env = std::getenv("POUNCE_PEER_TIMEOUT_S");
-  const double seconds = env != nullptr ? std::atof(env) : 120.0;
-  return std::chrono::milliseconds(static_cast<int64_t>((seconds > 0 ? seconds : 120.0) * 1000));
 }
 
 }  // namespace pounce

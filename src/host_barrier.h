@@ -26,7 +26,4 @@ class HostBarrier {
   bool broken_ = false;
 };
 
-// POUNCE_PEER_TIMEOUT_S (default 120) bounds every wait on a peer.
-std::chrono::milliseconds peer_timeout();
-
 }  // namespace pounce

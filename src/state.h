@@ -8,6 +8,7 @@
 #include "pounce/group.h"
 #include "pounce/workspace.h"
 #include "reference/reference.h"
+#include "src/environment.h"
 #include "src/gpu_backend.h"
 #include "src/host_barrier.h"
 
@@ -43,10 +44,11 @@ struct CpuForwardContext {
 
 struct WorkspaceState {
   WorkspaceState(const Group& group, const Shape& shape, const Config& config)
-      : group(group), shape(shape), config(config) {}
+      : group(group), shape(shape), config(config), environment(Environment::read()) {}
   Group group;
   Shape shape;
   Config config;
+  Environment environment;
   CpuForwardContext cpu_context;
   gpu::GpuWorkspacePtr gpu{nullptr, nullptr};
 };

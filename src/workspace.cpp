@@ -22,7 +22,7 @@ Workspace::Workspace(const Group& group, const Shape& shape, const Config& confi
   if (group.backend() == Backend::kCpu) {
     cpu::create_workspace(*state_);
   } else {
-    state_->gpu = gpu::create_workspace(group.state().gpu, group.rank(), shape, config);
+    state_->gpu = gpu::create_workspace(group.state().gpu, group.rank(), shape, config, state_->environment);
   }
 }
 

@@ -14,6 +14,11 @@ enum class Backend { kAuto, kCpu, kGpu };
 // one measured faster for the shape (forward: the fused kernel; backward: the fused kernel when I >= 1024,
 // where its GEMMs are long, else the stage kernels; docs/design.md "Fused backward").
 enum class KernelPath { kFused, kStaged, kAuto };
+// How the fused kernels return the second GEMM's rows (down forward, d_x backward) to their tokens' owners:
+// the communication CTAs push each finished minibatch (kPush), or the GEMM epilogue scatters its tiles
+// straight into the owners' slots (kScatter). kAuto: push with several ranks and I < 1024 (short mainloops,
+// transfer-heavy), scatter otherwise. Both give bitwise the same result; the staged path ignores it.
+enum class CombineMode { kAuto, kPush, kScatter };
 
 struct Config {
   int forward_comm_sms = 0;    // SMs that move tokens in the forward kernel; 0 = heuristic
@@ -34,6 +39,7 @@ struct Config {
   // the stage kernels, 7 % slower on qwen3-30b-a3b (docs/design.md, "Fused backward"); kAuto picks by shape.
   // Both give bitwise the same gradients.
   KernelPath backward_kernel_path = KernelPath::kAuto;
+  CombineMode combine = CombineMode::kAuto;
 };
 
 // GEMM tile height: every expert segment of the receive schedule is padded to a multiple of it.
@@ -47,6 +53,7 @@ void validate(const Config& config, const Shape& shape);
 const char* to_string(Precision precision);
 const char* to_string(Backend backend);
 const char* to_string(KernelPath path);
+const char* to_string(CombineMode mode);
 const char* to_string(ActivationKind kind);
 
 }  // namespace pounce

@@ -57,7 +57,6 @@ struct FusedBackwardParams {
   int32_t comm_ctas;
   int32_t unit_blocks;  // m-blocks per minibatch
   bool push_combine;    // true: communication CTAs push dx_rows; false: d_x epilogues scatter into slots
-  int32_t pull_depth;   // kDeepPullDepth or 8 (fused_pull_depth)
 };
 
 // Kernel parameters above 4 KB need CUDA 12.1+ and a matching driver (this project builds with 13.0).
@@ -378,19 +377,12 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       replay.push_combine = false;
       run_communication(
           ws, slots.go, replay, role,
-          [&](int64_t row) {
-            at_pull_depth(params.pull_depth,
-                          [&](auto depth) { dispatch::pull_row<decltype(depth)::value>(ws, row); });
-          },
+          [&](int64_t row) { dispatch::pull_row<kPullDepth>(ws, row); },
           [](int64_t) {});
     }
     run_communication(
         ws, slots.go, plan, role,
-        [&](int64_t row) {
-          at_pull_depth(params.pull_depth, [&](auto depth) {
-            reverse_combine::pull_scaled_row<decltype(depth)::value>(ws, row);
-          });
-        },
+        [&](int64_t row) { reverse_combine::pull_scaled_row<kPullDepth>(ws, row); },
         [&](int64_t row) { combine::push_row<8>(ws, ws.dx_rows, ws.sym_dx_slots, row); });
     // The weight-gradient tail needs no transfer: every SM computes it, as the staged path's GEMMs do.
     turn_to_compute(ss, slots);

@@ -35,18 +35,7 @@ inline constexpr int kWarps = GemmConfig::kNumThreads / 32;
 // 16-byte loads in flight per lane when a communication warp pulls a row (dispatch::warp_copy_16b): 16 take a
 // gpt-oss row (5760 B) in one NVLink round trip and a deepseek row (14336 B) in two, where 8 took two and
 // four; each round trip also waits for the row's schedule entry first, so the rounds are most of a pull.
-inline constexpr int kDeepPullDepth = 16;
-
-// Calls pull(depth) with a launch's pull depth as a type (std::integral_constant): kDeepPullDepth, or 8 to
-// compare (POUNCE_FUSED_PULL_DEPTH).
-template <typename Pull>
-__device__ __forceinline__ void at_pull_depth(int32_t pull_depth, Pull&& pull) {
-  if (pull_depth == kDeepPullDepth) {
-    pull(std::integral_constant<int, kDeepPullDepth>{});
-  } else {
-    pull(std::integral_constant<int, 8>{});
-  }
-}
+inline constexpr int kPullDepth = 16;
 
 // A GEMM kind as a type, for generic lambdas that pick the mainloop's instantiation.
 template <kernels::gemm::GemmKind kKind>

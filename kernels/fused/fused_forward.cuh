@@ -61,8 +61,6 @@ struct FusedForwardParams {
   int32_t comm_ctas;
   int32_t unit_blocks;  // m-blocks per minibatch
   bool push_combine;    // true: communication CTAs push y_rows; false: down epilogues scatter into slots
-  int32_t pull_depth;   // kDeepPullDepth or 8 (fused_pull_depth)
-  bool pull_pairs;      // a warp pulls two short rows per round trip (dispatch::pull_row_pair)
 };
 
 // Kernel parameters above 4 KB need CUDA 12.1+ and a matching driver (this project builds with 13.0).
@@ -389,28 +387,14 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     if constexpr (kRing) {
       run_ring_communication(
           ws, slots.go, plan, role,
-          [&](int64_t row, int64_t ring_first) {
-            at_pull_depth(params.pull_depth, [&](auto depth) {
-              dispatch::pull_row<decltype(depth)::value>(ws, row, ring_first);
-            });
-          },
+          [&](int64_t row, int64_t ring_first) { dispatch::pull_row<kPullDepth>(ws, row, ring_first); },
           [&](int64_t row, int64_t ring_first) {
             combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row, ring_first);
           });
     } else {
       run_communication(
           ws, slots.go, plan, role,
-          [&](int64_t row, int64_t second) {
-            at_pull_depth(params.pull_depth, [&](auto depth) {
-              constexpr int kDepth = decltype(depth)::value;
-              if (params.pull_pairs) {
-                dispatch::pull_row_pair<kDepth>(ws, row, second);
-              } else {
-                dispatch::pull_row<kDepth>(ws, row);
-                if (second >= 0) dispatch::pull_row<kDepth>(ws, second);
-              }
-            });
-          },
+          [&](int64_t row, int64_t second) { dispatch::pull_row_pair<kPullDepth>(ws, row, second); },
           [&](int64_t row) { combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row); });
     }
     __syncthreads();  // every warp's pushes are issued before warpgroups 1 and 2 arrive for the CTA

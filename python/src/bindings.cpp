@@ -179,7 +179,8 @@ std::string config_repr(const Config& c) {
       << ", activation=" << activation_repr(c.activation) << ", precision=" << to_string(c.precision)
       << ", deterministic=" << (c.deterministic ? "True" : "False") << ", backend=" << to_string(c.backend)
       << ", kernel_path=" << to_string(c.kernel_path)
-      << ", backward_kernel_path=" << to_string(c.backward_kernel_path) << ")";
+      << ", backward_kernel_path=" << to_string(c.backward_kernel_path)
+      << ", combine=" << to_string(c.combine) << ")";
   return out.str();
 }
 
@@ -196,6 +197,10 @@ void bind_types(nb::module_& m) {
       .value("fused", KernelPath::kFused)
       .value("staged", KernelPath::kStaged)
       .value("auto", KernelPath::kAuto);
+  nb::enum_<CombineMode>(m, "CombineMode")
+      .value("auto", CombineMode::kAuto)
+      .value("push", CombineMode::kPush)
+      .value("scatter", CombineMode::kScatter);
 
   nb::class_<Activation>(m, "Activation", "Expert activation: SwiGLU or GPT-OSS, optional clamp (DESIGN §1).")
       .def(
@@ -251,7 +256,8 @@ void bind_types(nb::module_& m) {
           "__init__",
           [](Config* self, int forward_comm_sms, int backward_comm_sms, int64_t minibatch_size,
              int64_t macrobatch_size, std::optional<Activation> activation, Precision precision,
-             bool deterministic, Backend backend, KernelPath kernel_path, KernelPath backward_kernel_path) {
+             bool deterministic, Backend backend, KernelPath kernel_path, KernelPath backward_kernel_path,
+             CombineMode combine) {
             new (self) Config{forward_comm_sms,
                               backward_comm_sms,
                               minibatch_size,
@@ -261,12 +267,13 @@ void bind_types(nb::module_& m) {
                               deterministic,
                               backend,
                               kernel_path,
-                              backward_kernel_path};
+                              backward_kernel_path,
+                              combine};
           },
           "forward_comm_sms"_a = 0, "backward_comm_sms"_a = 0, "minibatch_size"_a = 0,
           "macrobatch_size"_a = 0, "activation"_a = nb::none(), "precision"_a = Precision::kBF16,
           "deterministic"_a = true, "backend"_a = Backend::kAuto, "kernel_path"_a = KernelPath::kFused,
-          "backward_kernel_path"_a = KernelPath::kAuto)
+          "backward_kernel_path"_a = KernelPath::kAuto, "combine"_a = CombineMode::kAuto)
       .def_rw("forward_comm_sms", &Config::forward_comm_sms)
       .def_rw("backward_comm_sms", &Config::backward_comm_sms)
       .def_rw("minibatch_size", &Config::minibatch_size)
@@ -277,6 +284,7 @@ void bind_types(nb::module_& m) {
       .def_rw("backend", &Config::backend)
       .def_rw("kernel_path", &Config::kernel_path)
       .def_rw("backward_kernel_path", &Config::backward_kernel_path)
+      .def_rw("combine", &Config::combine)
       .def(
           "validate", [](const Config& config, const Shape& shape) { validate(config, shape); }, "shape"_a)
       .def("__repr__", &config_repr);

@@ -46,18 +46,6 @@ void require_nvls_disabled() {
                "': Pounce never uses NVLink multicast; unset it or set NCCL_NVLS_ENABLE=0");
 }
 
-uint64_t peer_timeout_ns() {
-  double seconds = 120.0;
-  if (const char* value = std::getenv("POUNCE_PEER_TIMEOUT_S")) {
-    char* end = nullptr;
-    const double parsed = std::strtod(value, &end);
-    POUNCE_CHECK(end != value && parsed > 0, "environment POUNCE_PEER_TIMEOUT_S = '", value,
-                 "' must be a positive number of seconds");
-    seconds = parsed;
-  }
-  return static_cast<uint64_t>(seconds * 1e9);
-}
-
 __global__ void read_peer_bases_kernel(ncclWindow_t window, int num_ranks, uint64_t* peer_base) {
   for (int peer = static_cast<int>(threadIdx.x); peer < num_ranks; peer += blockDim.x) {
     peer_base[peer] = reinterpret_cast<uint64_t>(ncclGetLsaPointer(window, 0, peer));
@@ -242,7 +230,7 @@ layout::WorkspacePointers GpuWorkspace::pointers() const {
   p.routing_stride = l.routing_stride;
   p.max_chunks = l.max_chunks;
   p.timeout_ns = timeout_ns;
-  p.profile_tiles = std::getenv("POUNCE_PROFILE_STAGES") != nullptr ? 1 : 0;
+  p.profile_tiles = profile_stages ? 1 : 0;
   p.symmetric = static_cast<char*>(symmetric);
   p.peer_base = static_cast<const uint64_t*>(at(l.loc_peer_base));
   p.sym_barrier_inbox = l.sym_barrier_inbox;
@@ -339,7 +327,7 @@ void validate_workspace_shape(const GpuGroup& group, int rank, const Shape& shap
 }  // namespace
 
 GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup> group, int rank, const Shape& shape,
-                                 const Config& config) {
+                                 const Config& config, const Environment& environment) {
   POUNCE_CHECK(group != nullptr, "create_workspace needs a GPU group");
   const layout::WorkspaceLayout l = layout::WorkspaceLayout::make(
       shape.max_tokens, shape.hidden, shape.intermediate, shape.shared_intermediate, shape.num_experts,
@@ -355,7 +343,8 @@ GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup> group, int rank, cons
   ws.shape = shape;
   ws.config = config;
   ws.layout = l;
-  ws.timeout_ns = peer_timeout_ns();
+  ws.timeout_ns = static_cast<uint64_t>(environment.peer_timeout.count()) * 1'000'000;
+  ws.profile_stages = environment.profile_stages;
   POUNCE_CUDA(cudaDeviceGetAttribute(&ws.num_sms, cudaDevAttrMultiProcessorCount, ws.device));
   POUNCE_CUDA(cudaStreamCreateWithFlags(&ws.side_stream, cudaStreamNonBlocking));
   POUNCE_CUDA(cudaStreamCreateWithFlags(&ws.comm_stream, cudaStreamNonBlocking));

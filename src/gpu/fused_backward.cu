@@ -11,8 +11,7 @@
 // (src/gpu/fused_forward.cu): the d_x GEMM (N = H, K = 2I) stands where the down GEMM (N = H, K = I) stands
 // in the forward, with the same row counts and transfer sizes. The minibatch is sized so that its d_a tiles
 // fill the compute CTAs once (backward_unit_blocks).
-// config.backward_comm_sms and minibatch_size override; POUNCE_FUSED_COMBINE=push|scatter overrides the
-// combine here too.
+// config.backward_comm_sms, minibatch_size and combine override here too.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -101,7 +100,7 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
   POUNCE_CHECK(workspace.num_sms >= 2, "the fused kernel needs at least 2 SMs (device ", workspace.device,
                " has ", workspace.num_sms, "); use Config::backward_kernel_path = KernelPath::kStaged");
   set_shared_limit_once<fused::fused_backward_kernel>(workspace.device, kFusedSharedBytes);
-  StageTimer timer("backward", p.rank, stream);
+  StageTimer timer("backward", p, stream);
   // The operands are built (and checked) before the prologue queues anything: a refusal after it would
   // leave the peers at the combine barrier.
   int32_t* gemm_error = reinterpret_cast<int32_t*>(p.fused_counters + layout::kFusedGemmError);
@@ -146,7 +145,6 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
     weight(WeightGradKind::kGate) = routed.gate;
     weight(WeightGradKind::kUp) = routed.up;
     params.push_combine = fused_push_combine(workspace);
-    params.pull_depth = fused_pull_depth();
     params.comm_ctas = fused_comm_ctas(workspace, params.push_combine, workspace.config.backward_comm_sms,
                                        FusedPass::kBackward);
     params.unit_blocks = backward_unit_blocks(workspace, params.comm_ctas);

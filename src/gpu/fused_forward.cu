@@ -17,13 +17,11 @@
 //   - minibatches of 8 m-blocks (1024 rows) otherwise, about one wave of tiles each (16 within noise, 32
 //     +3-7 %).
 // The sweeps: bench/results/sweep_fused_ep2_8192_2026-11-29.txt.
-// config.forward_comm_sms and minibatch_size override; POUNCE_FUSED_COMBINE=push|scatter overrides the
-// combine (tests cover both on every shape).
+// config.forward_comm_sms, minibatch_size and combine override (tests cover both combines on every shape).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 
 #include "kernels/fused/fused_forward.cuh"
@@ -46,7 +44,7 @@ constexpr size_t kFusedSharedBytes = kernels::gemm::kSharedBytes;
 // POUNCE_PROFILE_STAGES: where the fused kernel's time went, from the %globaltimer stamps of its grid steps
 // (kernels/fused/grid_steps.cuh). Synchronises the stream; skipped while capturing.
 void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) {
-  if (std::getenv("POUNCE_PROFILE_STAGES") == nullptr) return;
+  if (p.profile_tiles == 0) return;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   POUNCE_CUDA(cudaStreamIsCapturing(stream, &capture));
   if (capture != cudaStreamCaptureStatusNone) return;
@@ -109,12 +107,7 @@ void launch_fused_kernel(GpuWorkspace& workspace, const fused::FusedForwardParam
 }  // namespace
 
 bool fused_push_combine(const GpuWorkspace& workspace) {
-  if (const char* value = std::getenv("POUNCE_FUSED_COMBINE")) {
-    const std::string choice(value);
-    POUNCE_CHECK(choice == "push" || choice == "scatter", "environment POUNCE_FUSED_COMBINE = '", choice,
-                 "' must be push or scatter (or unset for the heuristic)");
-    return choice == "push";
-  }
+  if (workspace.config.combine != CombineMode::kAuto) return workspace.config.combine == CombineMode::kPush;
   return workspace.layout.num_ranks > 1 && workspace.layout.intermediate < kCommHeavyIntermediate;
 }
 
@@ -124,16 +117,6 @@ int fused_comm_ctas(const GpuWorkspace& workspace, bool push_combine, int config
                         : workspace.layout.num_ranks > 1 ? scatter_ctas
                                                          : kOneRankCommCtas;
   return std::clamp(configured > 0 ? configured : heuristic, 1, std::max(1, workspace.num_sms / 2));
-}
-
-int32_t fused_pull_depth() {
-  if (const char* value = std::getenv("POUNCE_FUSED_PULL_DEPTH")) {
-    const std::string choice(value);
-    POUNCE_CHECK(choice == "8" || choice == "16", "environment POUNCE_FUSED_PULL_DEPTH = '", choice,
-                 "' must be 8 or 16 (or unset for ", fused::kDeepPullDepth, ")");
-    return std::stoi(choice);
-  }
-  return fused::kDeepPullDepth;
 }
 
 int32_t fused_unit_blocks(const GpuWorkspace& workspace, bool push_combine) {
@@ -167,7 +150,7 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
                " x num_local_experts counters in ", kScratchBytes,
                " bytes of shared memory; num_local_experts = ", El,
                " is too many: use Config::kernel_path = KernelPath::kStaged");
-  StageTimer timer("forward", p.rank, stream);
+  StageTimer timer("forward", p, stream);
   const ForwardLaunch launch = check_forward_args(workspace, args, write_out);
 
   fused::FusedForwardParams params{};
@@ -202,10 +185,6 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   params.comm_ctas =
       fused_comm_ctas(workspace, params.push_combine, workspace.config.forward_comm_sms, FusedPass::kForward);
   params.unit_blocks = fused_unit_blocks(workspace, params.push_combine);
-  params.pull_depth = fused_pull_depth();
-  // POUNCE_FUSED_PULL_PAIRS=0: one row per warp and round trip, as before pull_row_pair (to compare).
-  const char* pairs = std::getenv("POUNCE_FUSED_PULL_PAIRS");
-  params.pull_pairs = pairs == nullptr || std::string(pairs) != "0";
 
   if (!p.has_ring()) {
     launch_fused_kernel<false>(workspace, params, stream);

@@ -83,7 +83,8 @@ struct GpuWorkspace {
   // Tokens of the forward whose context the workspace holds (-1: none yet). Host-side, so it also holds for
   // calls recorded into a CUDA graph.
   int64_t context_tokens = -1;
-  uint64_t timeout_ns = 0;
+  uint64_t timeout_ns = 0;      // POUNCE_PEER_TIMEOUT_S, read at creation (src/environment.h)
+  bool profile_stages = false;  // POUNCE_PROFILE_STAGES, the same
 
   layout::WorkspacePointers pointers() const;
 };
@@ -179,8 +180,5 @@ int fused_comm_ctas(const GpuWorkspace& workspace, bool push_combine, int config
 // Config::backward_kernel_path resolved (kAuto by shape: src/gpu/fused_backward.cu).
 bool fused_backward_chosen(const GpuWorkspace& workspace);
 int32_t fused_unit_blocks(const GpuWorkspace& workspace, bool push_combine);
-// 16-byte loads in flight per lane of a communication CTA's row pull: kDeepPullDepth, or
-// POUNCE_FUSED_PULL_DEPTH = 8 | 16.
-int32_t fused_pull_depth();
 
 }  // namespace pounce::gpu

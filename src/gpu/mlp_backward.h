@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "kernels/gemm/grouped_gemm.h"
@@ -27,19 +26,6 @@ struct MlpBackward {
   // own cooperative tiles).
   kernels::TileSchedule weight_grad_schedule;
 };
-
-// The staged activation backward's tiles: kernels::activation_backward_schedule_for, or
-// POUNCE_ACTIVATION_BACKWARD_TILES = pingpong | cooperative to compare them.
-inline kernels::TileSchedule activation_backward_schedule(const kernels::ActivationParams& activation) {
-  if (const char* value = std::getenv("POUNCE_ACTIVATION_BACKWARD_TILES")) {
-    const std::string choice(value);
-    POUNCE_CHECK(choice == "pingpong" || choice == "cooperative",
-                 "environment POUNCE_ACTIVATION_BACKWARD_TILES = '", choice,
-                 "' must be pingpong or cooperative (or unset for the heuristic)");
-    return choice == "pingpong" ? kernels::TileSchedule::kPingPong : kernels::TileSchedule::kCooperative;
-  }
-  return kernels::activation_backward_schedule_for(activation);
-}
 
 // The tokens of this backward call (x's rows).
 inline int64_t num_tokens_of(const BackwardArgs& args) {

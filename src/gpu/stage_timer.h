@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <exception>
 #include <initializer_list>
 #include <string>
@@ -21,8 +20,9 @@ namespace pounce::gpu {
 
 class StageTimer {
  public:
-  StageTimer(const char* pass, int rank, cudaStream_t stream)
-      : pass_(pass), rank_(rank), stream_(stream), enabled_(std::getenv("POUNCE_PROFILE_STAGES") != nullptr) {
+  // Times the pass when the workspace profiles (POUNCE_PROFILE_STAGES, src/environment.h).
+  StageTimer(const char* pass, const layout::WorkspacePointers& p, cudaStream_t stream)
+      : pass_(pass), rank_(p.rank), stream_(stream), enabled_(p.profile_tiles != 0) {
     mark("start");
   }
   StageTimer(const StageTimer&) = delete;

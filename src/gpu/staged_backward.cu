@@ -43,7 +43,7 @@ void launch_mlp_data_grads(const MlpBackward& m, int first_group, int num_groups
   void* d_u = static_cast<char*>(m.d_gu) + I * 2;
   kernels::grouped_activation_backward(rows, m.dy, expert_slice(m.weights.down, first_group), m.g, m.u,
                                        m.d_gu, d_u, 2 * I, I, H, activation, stream,
-                                       activation_backward_schedule(activation));
+                                       kernels::activation_backward_schedule_for(activation));
   kernels::grouped_gemm_transposed(rows, m.d_gu, expert_slice(m.weights.gate, first_group),
                                    expert_slice(m.weights.up, first_group), I, m.dx, H, 2 * I, stream);
 }
@@ -199,7 +199,7 @@ void launch_macrobatch_backward(GpuWorkspace& workspace, const BackwardArgs& arg
 void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream) {
   DeviceGuard guard(workspace.device);
   const layout::WorkspacePointers p = workspace.pointers();
-  StageTimer timer("backward", p.rank, stream);
+  StageTimer timer("backward", p, stream);
   const BackwardLaunch launch = launch_backward_prologue(workspace, args, timer, stream);
   // Every possible macrobatch, last first (one without a ring): the forward left the last one resident.
   for (int32_t b = p.max_macrobatches - 1; b >= 0; --b)

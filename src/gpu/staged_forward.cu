@@ -191,7 +191,7 @@ void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cud
                            bool write_out) {
   DeviceGuard guard(workspace.device);
   const layout::WorkspacePointers p = workspace.pointers();
-  StageTimer timer("forward", p.rank, stream);
+  StageTimer timer("forward", p, stream);
   const ForwardLaunch launch = launch_forward_prologue(workspace, args, write_out, timer, stream);
   // Every possible macrobatch in order (one without a ring); those past the plan's count find no rows.
   for (int32_t b = 0; b < p.max_macrobatches; ++b)

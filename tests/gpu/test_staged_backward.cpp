@@ -675,11 +675,10 @@ TEST(FusedBackward, EqualsStagedBitwise) {
     auto tokens = [R](int64_t a, int64_t b) {
       return R == 2 ? std::vector<int64_t>{a, b} : std::vector<int64_t>{a};
     };
-    for (const char* combine : {"push", "scatter"}) {
-      ASSERT_EQ(setenv("POUNCE_FUSED_COMBINE", combine, 1), 0);  // read at each launch
+    for (pounce::CombineMode combine : {pounce::CombineMode::kPush, pounce::CombineMode::kScatter}) {
       for (int64_t minibatch : {int64_t{128}, int64_t{0}}) {
-        const std::string label =
-            " ranks " + std::to_string(R) + " combine " + combine + " minibatch " + std::to_string(minibatch);
+        const std::string label = " ranks " + std::to_string(R) + " combine " + pounce::to_string(combine) +
+                                  " minibatch " + std::to_string(minibatch);
         for (const Model* m : {&shared, &routed}) {
           const std::vector<Call> calls =
               m == &shared ? std::vector<Call>{{tokens(300, 255), Routing::kRandom, false, 143},
@@ -690,6 +689,7 @@ TEST(FusedBackward, EqualsStagedBitwise) {
           staged.kernel_path = staged.backward_kernel_path = pounce::KernelPath::kStaged;
           fused.kernel_path = fused.backward_kernel_path = pounce::KernelPath::kFused;
           staged.minibatch_size = fused.minibatch_size = minibatch;
+          fused.combine = combine;
           const std::string name = (m == &shared ? "shared expert" : "routed only") + label;
           const auto a = run_and_check(*m, calls, false, "staged, " + name, staged);
           const auto b = run_and_check(*m, calls, false, "fused, " + name, fused);
@@ -698,7 +698,6 @@ TEST(FusedBackward, EqualsStagedBitwise) {
       }
     }
   }
-  unsetenv("POUNCE_FUSED_COMBINE");
 }
 
 // One small case through the fused forward and backward kernels against the reference: the case

@@ -74,14 +74,11 @@ enum class Mode { kEagerTwice, kGraphVsEager, kStagedVsFused };
 // One rank's share of `calls` on `device` through `group`; fills results[call][rank]. Throws on failure.
 void run_rank(const Model& m, const std::vector<std::vector<RankData>>& data, const std::vector<Call>& calls,
               Mode mode, const pounce::Group& group, int rank, int device,
-              std::vector<std::vector<RankResult>>& results, int64_t minibatch_size,
-              int64_t macrobatch_size) {
+              std::vector<std::vector<RankResult>>& results, const pounce::Config& tuning) {
   const pounce::Shape& s = m.shape;
   CUDA_OK(cudaSetDevice(device));
-  pounce::Config config;
+  pounce::Config config = tuning;
   config.activation = m.activation;
-  config.minibatch_size = minibatch_size;
-  config.macrobatch_size = macrobatch_size;
   pounce::Workspace workspace(group, s, config);
   pounce::gpu::GpuWorkspace& gpu_ws = *workspace.state().gpu;
   DeviceWeights weights(m, rank, rank);
@@ -182,11 +179,11 @@ void run_rank(const Model& m, const std::vector<std::vector<RankData>>& data, co
 std::vector<std::vector<RankResult>> run_on_gpus(const Model& m,
                                                  const std::vector<std::vector<RankData>>& data,
                                                  const std::vector<Call>& calls, Mode mode,
-                                                 int64_t minibatch_size, int64_t macrobatch_size = 0) {
+                                                 const pounce::Config& tuning = {}) {
   const int R = static_cast<int>(m.shape.num_ranks);
   std::vector<std::vector<RankResult>> results(calls.size(), std::vector<RankResult>(R));
   run_ranks(R, [&](const pounce::Group& group, int rank) {
-    run_rank(m, data, calls, mode, group, rank, rank, results, minibatch_size, macrobatch_size);
+    run_rank(m, data, calls, mode, group, rank, rank, results, tuning);
   });
   return results;
 }
@@ -240,10 +237,11 @@ void check_call(const Model& m, const Call& call, const std::vector<RankData>& d
   }
 }
 
+// `tuning`: the Config fields the test varies (minibatch, macrobatch, combine); the activation is the model's.
 void run_and_check(const Model& m, const std::vector<Call>& calls, Mode mode, const std::string& name,
-                   int64_t minibatch_size = 0) {
+                   const pounce::Config& tuning = {}) {
   const std::vector<std::vector<RankData>> data = make_call_data(m.shape, calls);
-  const auto results = run_on_gpus(m, data, calls, mode, minibatch_size);
+  const auto results = run_on_gpus(m, data, calls, mode, tuning);
   for (size_t c = 0; c < calls.size(); ++c) {
     check_call(m, calls[c], data[c], results[c], name + " call " + std::to_string(c));
   }
@@ -343,25 +341,26 @@ TEST(FusedForward, EqualsStagedBitwise) {
     auto tokens = [R](int64_t a, int64_t b) {
       return R == 2 ? std::vector<int64_t>{a, b} : std::vector<int64_t>{a};
     };
-    for (const char* combine : {"push", "scatter"}) {
-      ASSERT_EQ(setenv("POUNCE_FUSED_COMBINE", combine, 1), 0);  // read at each launch
+    for (pounce::CombineMode combine : {pounce::CombineMode::kPush, pounce::CombineMode::kScatter}) {
       for (int64_t minibatch : {int64_t{128}, int64_t{0}}) {
-        const std::string label =
-            " ranks " + std::to_string(R) + " combine " + combine + " minibatch " + std::to_string(minibatch);
+        pounce::Config tuning;
+        tuning.combine = combine;
+        tuning.minibatch_size = minibatch;
+        const std::string label = " ranks " + std::to_string(R) + " combine " + pounce::to_string(combine) +
+                                  " minibatch " + std::to_string(minibatch);
         run_and_check(shared,
                       {{tokens(700, 513), Routing::kRandom, false, 33},
                        {tokens(0, 700), Routing::kAllToOneExpert, true, 34},
                        {tokens(129, 1), Routing::kSparse, false, 35}},
-                      Mode::kStagedVsFused, "fused vs staged, shared expert" + label, minibatch);
+                      Mode::kStagedVsFused, "fused vs staged, shared expert" + label, tuning);
         run_and_check(routed,
                       {{tokens(1000, 999), Routing::kRandom, false, 36},
                        {tokens(1000, 1000), Routing::kAllToOneExpert, false, 37},
                        {tokens(300, 0), Routing::kFewExperts, true, 38}},
-                      Mode::kStagedVsFused, "fused vs staged" + label, minibatch);
+                      Mode::kStagedVsFused, "fused vs staged" + label, tuning);
       }
     }
   }
-  unsetenv("POUNCE_FUSED_COMBINE");
 }
 
 TEST(StagedForward, CudaGraphReplaysNewRouting) {
@@ -386,7 +385,7 @@ TEST(StagedForward, OutOfRangeExpertIdIsReportedNotWritten) {
   Call good{{64}, Routing::kRandom, false, 32};
   std::vector<std::vector<RankData>> data = {{make_rank_data(m.shape, bad, 0)},
                                              {make_rank_data(m.shape, good, 0)}};
-  const auto results = run_on_gpus(m, data, {bad, good}, Mode::kEagerTwice, 0);
+  const auto results = run_on_gpus(m, data, {bad, good}, Mode::kEagerTwice);
   EXPECT_NE(results[0][0].error.find("topk_idx value out of range"), std::string::npos)
       << results[0][0].error;
   // The error was reported and cleared: the next call with valid routing succeeds.
@@ -460,7 +459,9 @@ TEST(StagedForward, MacrobatchRingMatchesReference) {
                                      {tokens, Routing::kFewExperts, false, 35}};
     const std::vector<std::vector<RankData>> data = make_call_data(m.shape, calls);
     const int64_t ring = (R * 300 + pounce::kBlockM - 1) / pounce::kBlockM * pounce::kBlockM;
-    const auto results = run_on_gpus(m, data, calls, Mode::kStagedVsFused, 0, ring);
+    pounce::Config ringed;
+    ringed.macrobatch_size = ring;
+    const auto results = run_on_gpus(m, data, calls, Mode::kStagedVsFused, ringed);
     for (size_t c = 0; c < calls.size(); ++c)
       check_call(m, calls[c], data[c], results[c],
                  "ring of " + std::to_string(ring) + " rows, call " + std::to_string(c));
@@ -479,7 +480,9 @@ TEST(StagedForward, MacrobatchOverflowIsReportedNotWritten) {
                                              {make_rank_data(m.shape, good, 0)}};
   for (int32_t& e : data[0][0].topk_idx) e = 1;  // 256 rows for expert 1, the ring holds 128
   for (const Mode mode : {Mode::kEagerTwice, Mode::kStagedVsFused}) {
-    const auto results = run_on_gpus(m, data, {crowded, good}, mode, 0, pounce::kBlockM);
+    pounce::Config smallest_ring;
+    smallest_ring.macrobatch_size = pounce::kBlockM;
+    const auto results = run_on_gpus(m, data, {crowded, good}, mode, smallest_ring);
     EXPECT_NE(results[0][0].error.find("macrobatch overflow"), std::string::npos) << results[0][0].error;
     // Every (token, slot) of the crowded call was poisoned with 0x7FC0 NaNs: its owner's sum is NaN, never a
     // stale value (the fresh workspace's slots held zeros).
@@ -524,7 +527,7 @@ TEST(ProcessGroup, TorchrunEnvironment) {
   std::vector<std::vector<RankResult>> results(calls.size(), std::vector<RankResult>(R));
   int device = 0;
   CUDA_OK(cudaGetDevice(&device));
-  run_rank(m, data, calls, Mode::kEagerTwice, group, rank, device, results, 0, 0);
+  run_rank(m, data, calls, Mode::kEagerTwice, group, rank, device, results, pounce::Config{});
   for (size_t c = 0; c < calls.size(); ++c)
     check_call(m, calls[c], data[c], results[c], "process group call " + std::to_string(c), rank);
 }

@@ -36,6 +36,7 @@ _CONFIG_FIELDS = (
     "backend",
     "kernel_path",
     "backward_kernel_path",
+    "combine",
 )
 
 
