@@ -18,22 +18,22 @@
 
 #include <cstdint>
 
-#include "kernels/dispatch/dispatch.cuh"
+#include "kernels/common/warp.cuh"
 #include "kernels/layout/workspace_layout.cuh"
 
-namespace pounce::reverse_combine {
+namespace pounce::kernels::reverse_combine {
 
 __device__ __forceinline__ void stage_inputs(const layout::WorkspacePointers& ws, const void* d_out,
                                              const float* topk_weights, int64_t num_tokens) {
   const int64_t padded_tokens = layout::round_up(num_tokens, layout::kBlockM);
   const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
   int4* sym_d_out = ws.local_sym<int4>(ws.sym_d_out);
-  for (int64_t t = dispatch::global_warp(); t < padded_tokens; t += dispatch::num_global_warps()) {
+  for (int64_t t = warp::global_index(); t < padded_tokens; t += warp::num_global()) {
     if (t < num_tokens) {
-      dispatch::warp_copy_16b(sym_d_out + t * row_vectors, static_cast<const int4*>(d_out) + t * row_vectors,
+      warp::copy_16b(sym_d_out + t * row_vectors, static_cast<const int4*>(d_out) + t * row_vectors,
                               row_vectors);
     } else {
-      dispatch::warp_zero_16b(sym_d_out + t * row_vectors, row_vectors);
+      warp::zero_16b(sym_d_out + t * row_vectors, row_vectors);
     }
   }
   float* sym_weights = ws.local_sym<float>(ws.sym_topk_weights);
@@ -63,7 +63,7 @@ __device__ __forceinline__ void router_grad(const layout::WorkspacePointers& ws,
   const int32_t* topk_idx = ws.local_sym<const int32_t>(ws.sym_routing_idx) + ws.rank * ws.routing_stride;
   const int4* y_slots = ws.local_sym<const int4>(ws.sym_y_slots);
   const int lane = static_cast<int>(threadIdx.x % 32);
-  for (int64_t t = dispatch::global_warp(); t < num_tokens; t += dispatch::num_global_warps()) {
+  for (int64_t t = warp::global_index(); t < num_tokens; t += warp::num_global()) {
     const int4* dy = static_cast<const int4*>(d_out) + t * row_vectors;
     for (int64_t first = t * k; first < (t + 1) * k; first += kSlotsAtOnce) {
       const int slots = static_cast<int>(layout::min_i64(kSlotsAtOnce, (t + 1) * k - first));
@@ -112,7 +112,7 @@ __device__ __forceinline__ void pull_scaled_row(const layout::WorkspacePointers&
   int4* dst = static_cast<int4*>(ws.dy_rows) + row * row_vectors;
   const layout::ScheduleEntry entry = ws.schedule[row];
   if (entry.src_rank < 0) {
-    dispatch::warp_zero_16b(dst, row_vectors);
+    warp::zero_16b(dst, row_vectors);
     return;
   }
   const float w = ws.peer<const float>(
@@ -141,7 +141,7 @@ __device__ __forceinline__ void pull_scaled_row(const layout::WorkspacePointers&
 __device__ __forceinline__ void pull_scaled_rows(const layout::WorkspacePointers& ws, int expert_begin,
                                                  int expert_end) {
   const int64_t first_row = ws.group_row_offset[expert_begin], end_row = ws.group_row_offset[expert_end];
-  for (int64_t row = first_row + dispatch::global_warp(); row < end_row; row += dispatch::num_global_warps())
+  for (int64_t row = first_row + warp::global_index(); row < end_row; row += warp::num_global())
     pull_scaled_row(ws, row);
 }
 
@@ -163,4 +163,4 @@ __global__ void __launch_bounds__(kNumThreads)
   pull_scaled_rows(ws, expert_begin, expert_end);
 }
 
-}  // namespace pounce::reverse_combine
+}  // namespace pounce::kernels::reverse_combine

@@ -14,10 +14,10 @@
 
 #include <cstdint>
 
-#include "kernels/dispatch/dispatch.cuh"
+#include "kernels/common/warp.cuh"
 #include "kernels/layout/workspace_layout.cuh"
 
-namespace pounce::combine {
+namespace pounce::kernels::combine {
 
 // The start of (token, slot)'s row in the slot region `sym_slots` ([max_tokens][k][H] bf16) of the rank that
 // owns the token: where the output of schedule row `entry` goes.
@@ -38,7 +38,7 @@ __device__ __forceinline__ void push_row(const layout::WorkspacePointers& ws, co
   const layout::ScheduleEntry entry = ws.schedule[row];
   if (entry.src_rank < 0) return;
   const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
-  dispatch::warp_copy_16b<kDepth>(slot_row<int4>(ws, sym_slots, entry),
+  warp::copy_16b<kDepth>(slot_row<int4>(ws, sym_slots, entry),
                                   static_cast<const int4*>(rows) + (row - ring_first) * row_vectors,
                                   row_vectors);
 }
@@ -59,7 +59,7 @@ __device__ __forceinline__ void poison_row(const layout::WorkspacePointers& ws, 
 __device__ __forceinline__ void push_rows(const layout::WorkspacePointers& ws, const void* rows,
                                           int64_t sym_slots, int expert_begin, int expert_end) {
   const int64_t first_row = ws.group_row_offset[expert_begin], end_row = ws.group_row_offset[expert_end];
-  for (int64_t row = first_row + dispatch::global_warp(); row < end_row; row += dispatch::num_global_warps())
+  for (int64_t row = first_row + warp::global_index(); row < end_row; row += warp::num_global())
     push_row(ws, rows, sym_slots, row);
 }
 
@@ -142,4 +142,4 @@ __global__ void __launch_bounds__(kNumThreads)
                static_cast<int64_t>(gridDim.x) * blockDim.x);
 }
 
-}  // namespace pounce::combine
+}  // namespace pounce::kernels::combine

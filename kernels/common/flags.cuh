@@ -13,7 +13,7 @@
 #include "kernels/common/ptx.cuh"
 #include "kernels/layout/workspace_layout.cuh"
 
-namespace pounce::flags {
+namespace pounce::kernels::flags {
 
 // ---- release / acquire, system scope (peers over NVLink) ----
 __device__ __forceinline__ void st_release_sys(uint32_t* ptr, uint32_t value) {
@@ -173,4 +173,4 @@ __device__ __forceinline__ bool phase_barrier_warp(const layout::WorkspacePointe
   return __all_sync(0xffffffffu, arrived);
 }
 
-}  // namespace pounce::flags
+}  // namespace pounce::kernels::flags

@@ -11,50 +11,21 @@
 
 #include <cstdint>
 
+#include "kernels/common/warp.cuh"
 #include "kernels/layout/workspace_layout.cuh"
 
-namespace pounce::dispatch {
-
-// Copies `num_vectors` 16-byte vectors with one warp. Each lane issues up to kDepth loads before its first
-// store, the last round predicated rather than serialised, so a row costs ceil(vectors / (32 kDepth))
-// NVLink round trips (the fused kernel's few communication warps go 8 deep).
-template <int kDepth = 4>
-__device__ __forceinline__ void warp_copy_16b(int4* dst, const int4* src, int64_t num_vectors) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  for (int64_t base = lane; base < num_vectors; base += 32 * kDepth) {
-    int4 in[kDepth];
-#pragma unroll
-    for (int d = 0; d < kDepth; ++d) {
-      in[d] = make_int4(0, 0, 0, 0);
-      if (base + 32 * d < num_vectors) in[d] = src[base + 32 * d];
-    }
-#pragma unroll
-    for (int d = 0; d < kDepth; ++d) {
-      if (base + 32 * d < num_vectors) dst[base + 32 * d] = in[d];
-    }
-  }
-}
-__device__ __forceinline__ void warp_zero_16b(int4* dst, int64_t num_vectors) {
-  for (int64_t v = threadIdx.x % 32; v < num_vectors; v += 32) dst[v] = make_int4(0, 0, 0, 0);
-}
-
-__device__ __forceinline__ int64_t global_warp() {
-  return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-}
-__device__ __forceinline__ int64_t num_global_warps() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-}
+namespace pounce::kernels::dispatch {
 
 __device__ __forceinline__ void stage_x(const layout::WorkspacePointers& ws, const void* x,
                                         int64_t num_tokens) {
   const int64_t padded_tokens = layout::round_up(num_tokens, layout::kBlockM);
   const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
   int4* sym_x = ws.local_sym<int4>(ws.sym_x);
-  for (int64_t t = global_warp(); t < padded_tokens; t += num_global_warps()) {
+  for (int64_t t = warp::global_index(); t < padded_tokens; t += warp::num_global()) {
     if (t < num_tokens) {
-      warp_copy_16b(sym_x + t * row_vectors, static_cast<const int4*>(x) + t * row_vectors, row_vectors);
+      warp::copy_16b(sym_x + t * row_vectors, static_cast<const int4*>(x) + t * row_vectors, row_vectors);
     } else {
-      warp_zero_16b(sym_x + t * row_vectors, row_vectors);
+      warp::zero_16b(sym_x + t * row_vectors, row_vectors);
     }
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -72,9 +43,9 @@ __device__ __forceinline__ void pull_row(const layout::WorkspacePointers& ws, in
   int4* dst = static_cast<int4*>(ws.x_rows) + (row - ring_first) * row_vectors;
   const layout::ScheduleEntry entry = ws.schedule[row];
   if (entry.src_rank < 0) {
-    warp_zero_16b(dst, row_vectors);
+    warp::zero_16b(dst, row_vectors);
   } else {
-    warp_copy_16b<kDepth>(dst, ws.peer<const int4>(entry.src_rank, ws.sym_x) + entry.src_token * row_vectors,
+    warp::copy_16b<kDepth>(dst, ws.peer<const int4>(entry.src_rank, ws.sym_x) + entry.src_token * row_vectors,
                           row_vectors);
   }
 }
@@ -128,7 +99,7 @@ __device__ __forceinline__ void pull_row_pair(const layout::WorkspacePointers& w
 __device__ __forceinline__ void pull_rows(const layout::WorkspacePointers& ws, int expert_begin,
                                           int expert_end) {
   const int64_t first_row = ws.group_row_offset[expert_begin], end_row = ws.group_row_offset[expert_end];
-  for (int64_t row = first_row + global_warp(); row < end_row; row += num_global_warps()) pull_row(ws, row);
+  for (int64_t row = first_row + warp::global_index(); row < end_row; row += warp::num_global()) pull_row(ws, row);
 }
 
 template <int kNumThreads>
@@ -142,4 +113,4 @@ __global__ void __launch_bounds__(kNumThreads)
   pull_rows(ws, expert_begin, expert_end);
 }
 
-}  // namespace pounce::dispatch
+}  // namespace pounce::kernels::dispatch

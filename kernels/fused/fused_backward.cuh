@@ -29,7 +29,7 @@
 #include "kernels/gemm/gemm_operands.h"
 #include "kernels/sched/backward_tasks.cuh"
 
-namespace pounce::fused {
+namespace pounce::kernels::fused {
 
 using sched::BackwardTask;
 using sched::BackwardTaskKind;
@@ -399,4 +399,4 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       [] {});
 }
 
-}  // namespace pounce::fused
+}  // namespace pounce::kernels::fused

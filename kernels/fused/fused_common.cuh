@@ -21,18 +21,20 @@
 #include <new>
 #include <type_traits>
 
+#include "kernels/common/warp.cuh"
 #include "kernels/combine/combine.cuh"
 #include "kernels/common/flags.cuh"
+#include "kernels/common/named_barriers.cuh"
 #include "kernels/gemm/grouped_gemm_kernel.cuh"
 #include "kernels/layout/workspace_layout.cuh"
 #include "kernels/sched/forward_tasks.cuh"
 
-namespace pounce::fused {
+namespace pounce::kernels::fused {
 
 using kernels::gemm::GemmConfig;
 using kernels::gemm::GroupedGemmArgs;
 inline constexpr int kWarps = GemmConfig::kNumThreads / 32;
-// 16-byte loads in flight per lane when a communication warp pulls a row (dispatch::warp_copy_16b): 16 take a
+// 16-byte loads in flight per lane when a communication warp pulls a row (warp::copy_16b): 16 take a
 // gpt-oss row (5760 B) in one NVLink round trip and a deepseek row (14336 B) in two, where 8 took two and
 // four; each round trip also waits for the row's schedule entry first, so the rounds are most of a pull.
 inline constexpr int kPullDepth = 16;
@@ -257,7 +259,7 @@ __device__ __forceinline__ void store_tile_to_slots(const float (&acc)[128],
 // Every store of this consumer warpgroup's 64 rows of a tile, then one release of `count` (and of `total`,
 // a count over many tiles, when set).
 __device__ __forceinline__ void count_tile_stored(uint32_t* count, uint32_t* total, int consumer_idx) {
-  kernels::ptx::named_barrier_sync(1 + consumer_idx, 128);
+  warpgroup_sync(NamedBarrier::kTileStored, consumer_idx);
   if (threadIdx.x % 128 == 0) {
     kernels::ptx::fence_proxy_async_global();
     flags::red_release_gpu_add(count, 1u);
@@ -520,4 +522,4 @@ __device__ __forceinline__ void run_compute_cta(const layout::WorkspacePointers&
   }
 }
 
-}  // namespace pounce::fused
+}  // namespace pounce::kernels::fused

@@ -40,7 +40,7 @@
 #include "kernels/sched/forward_tasks.cuh"
 #include "kernels/sched/macrobatch_tasks.cuh"
 
-namespace pounce::fused {
+namespace pounce::kernels::fused {
 
 using sched::Task;
 using sched::TaskKind;
@@ -418,4 +418,4 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       [&] { finish_forward(ws, warpgroup); });
 }
 
-}  // namespace pounce::fused
+}  // namespace pounce::kernels::fused

@@ -31,13 +31,14 @@
 #include <cstdint>
 
 #include "kernels/common/flags.cuh"
+#include "kernels/common/warp.cuh"
 #include "kernels/dispatch/dispatch.cuh"
 #include "kernels/fused/fused_common.cuh"
 #include "kernels/routing/routing_exchange.cuh"
 #include "kernels/routing/schedule.cuh"
 #include "kernels/sched/macrobatch_plan.cuh"
 
-namespace pounce::fused {
+namespace pounce::kernels::fused {
 
 // The caller's tensors the fused forward reads.
 struct ForwardInputs {
@@ -147,7 +148,7 @@ __device__ __forceinline__ bool run_forward_prologue(const layout::WorkspacePoin
   if (!cta_grid_step(ws, word, layout::kStepRouting, /*wait=*/true, routing_barrier)) return false;
 
   int32_t* counters = scratch + (threadIdx.x / 32) * ws.num_local_experts;
-  const int64_t warp = dispatch::global_warp(), num_warps = dispatch::num_global_warps();
+  const int64_t warp = warp::global_index(), num_warps = warp::num_global();
   routing::for_each_schedule_chunk(ws, warp, num_warps, counters, routing::schedule_count_chunk);
   if (!cta_grid_step(ws, word, layout::kStepCounted, /*wait=*/true, [&] {
         routing::schedule_scan(ws, scan_scratch);
@@ -174,11 +175,9 @@ __device__ __forceinline__ bool wait_schedule_placed(const layout::WorkspacePoin
 // run_compute_cta), all 128 threads, once its work (and, in a communication CTA, the whole CTA's: the caller
 // synchronised it) is issued: arrive at kStepFinished; the last party runs the combine barrier at the epoch
 // the routing barrier reserved. Nobody waits for it inside the kernel: the weighted sum is the next kernel on
-// the stream (src/gpu/fused_forward.cu). Named barriers 3 and 4: a warpgroup whose warps failed apart at a
-// tile (per-thread timeouts) must not pair this barrier with count_tile_stored's 1 and 2.
-inline constexpr uint32_t kFinishBarrierBase = 3;
+// the stream (src/gpu/fused_forward.cu).
 __device__ __forceinline__ void finish_forward(const layout::WorkspacePointers& ws, int warpgroup) {
-  kernels::ptx::named_barrier_sync(kFinishBarrierBase + static_cast<uint32_t>(warpgroup) - 1, 128);
+  warpgroup_sync(NamedBarrier::kFinish, warpgroup - 1);
   if (threadIdx.x % 128 >= 32) return;
   const int lane = static_cast<int>(threadIdx.x % 32);
   uint32_t previous = 0;
@@ -201,4 +200,4 @@ __device__ __forceinline__ void finish_forward(const layout::WorkspacePointers& 
   if (lane == 0) release_step(ws, layout::kStepFinished, ok);
 }
 
-}  // namespace pounce::fused
+}  // namespace pounce::kernels::fused

@@ -8,13 +8,11 @@
 
 #include <cstdint>
 
+#include "kernels/common/named_barriers.cuh"
 #include "kernels/common/ptx.cuh"
 #include "kernels/gemm/gemm_config.cuh"
 
 namespace pounce::kernels::gemm {
-
-// Named barriers 5 and 6 (one per consumer warpgroup); 1..4 belong to the fused kernels.
-inline constexpr uint32_t kStoreBarrierBase = 5;
 
 // One consumer warpgroup's ring of kChunks store chunks. Thread 0 of the warpgroup issues every TMA store, so
 // the bulk async-groups it waits on are exactly this ring's. The position runs on across tiles.
@@ -27,7 +25,7 @@ class StoreChunkRing {
   __device__ StoreChunkRing(SharedStorage& ss, EpilogueLayout layout, int consumer_idx)
       : base_(ptx::smem_addr(&ss) + static_cast<uint32_t>(store_chunks_offset(layout)) +
               static_cast<uint32_t>(consumer_idx * kChunks) * kChunkBytes),
-        barrier_(kStoreBarrierBase + static_cast<uint32_t>(consumer_idx)),
+        barrier_(named_barrier_id(NamedBarrier::kStoreChunk, consumer_idx)),
         leader_(threadIdx.x % 128 == 0) {}
 
   // Where this warpgroup writes its next chunk. Free: the publish() before waited until the store that last

@@ -19,7 +19,7 @@
 #define POUNCE_HOST_DEVICE
 #endif
 
-namespace pounce::layout {
+namespace pounce::kernels::layout {
 
 inline constexpr int64_t kBlockM = 128;           // GEMM tile height; equals pounce::kBlockM
 inline constexpr int64_t kRegionAlign = 256;      // every region starts 256-byte aligned
@@ -395,4 +395,4 @@ struct WorkspacePointers {
   }
 };
 
-}  // namespace pounce::layout
+}  // namespace pounce::kernels::layout

@@ -15,7 +15,7 @@
 #include "kernels/common/flags.cuh"
 #include "kernels/layout/workspace_layout.cuh"
 
-namespace pounce::routing {
+namespace pounce::kernels::routing {
 
 __device__ __forceinline__ int32_t load_expert_id(const void* topk_idx, bool idx_int64, int64_t i) {
   if (!idx_int64) return static_cast<const int32_t*>(topk_idx)[i];
@@ -66,4 +66,4 @@ __global__ void __launch_bounds__(kNumThreads)
   flags::phase_barrier_block(ws, which);
 }
 
-}  // namespace pounce::routing
+}  // namespace pounce::kernels::routing

@@ -23,7 +23,7 @@
 #include "kernels/common/flags.cuh"
 #include "kernels/layout/workspace_layout.cuh"
 
-namespace pounce::routing {
+namespace pounce::kernels::routing {
 
 inline constexpr int kScheduleWarpsPerBlock = 4;
 inline constexpr int kScheduleThreads = kScheduleWarpsPerBlock * 32;
@@ -285,4 +285,4 @@ __global__ void __launch_bounds__(kNumThreads) schedule_place_kernel(layout::Wor
                        warp_counters(smem_counters, ws.num_local_experts));
 }
 
-}  // namespace pounce::routing
+}  // namespace pounce::kernels::routing

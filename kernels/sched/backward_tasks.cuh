@@ -30,7 +30,7 @@
 
 #include "kernels/sched/forward_tasks.cuh"
 
-namespace pounce::sched {
+namespace pounce::kernels::sched {
 
 // The weight-gradient GEMMs, in list order.
 enum class WeightGradKind : int32_t { kSharedDown = 0, kSharedGate, kSharedUp, kDown, kGate, kUp };
@@ -170,4 +170,4 @@ class BackwardTaskCursor {
   int32_t data_tiles_;
 };
 
-}  // namespace pounce::sched
+}  // namespace pounce::kernels::sched

@@ -24,7 +24,7 @@
 
 #include "kernels/layout/workspace_layout.cuh"  // POUNCE_HOST_DEVICE: the list is also checked on the CPU
 
-namespace pounce::sched {
+namespace pounce::kernels::sched {
 
 enum class TaskKind : int32_t { kEnd = 0, kSharedGateUp, kSharedDown, kGateUp, kDown };
 
@@ -133,4 +133,4 @@ class ForwardTaskCursor {
   bool gate_up_ = true;
 };
 
-}  // namespace pounce::sched
+}  // namespace pounce::kernels::sched

@@ -29,7 +29,7 @@
 #include "kernels/layout/workspace_layout.cuh"
 #include "kernels/sched/macrobatches.cuh"
 
-namespace pounce::sched {
+namespace pounce::kernels::sched {
 
 inline constexpr int kMaxMacrobatches = 1024;  // bounds kept in shared memory while the plan is built
 inline constexpr int kPlanThreads = 256;
@@ -113,4 +113,4 @@ __global__ void __launch_bounds__(kNumThreads)
   }
 }
 
-}  // namespace pounce::sched
+}  // namespace pounce::kernels::sched

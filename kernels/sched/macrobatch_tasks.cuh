@@ -19,7 +19,7 @@
 
 #include "kernels/sched/forward_tasks.cuh"
 
-namespace pounce::sched {
+namespace pounce::kernels::sched {
 
 struct MacrobatchTask : Task {  // m_block: the ring block (routed) or the shared block; unit: see below
   int32_t macrobatch;           // 0 for the shared expert's tiles
@@ -86,4 +86,4 @@ class MacrobatchTaskCursor {
   int32_t block_base_ = 0;  // this macrobatch's first schedule block
 };
 
-}  // namespace pounce::sched
+}  // namespace pounce::kernels::sched

@@ -13,7 +13,7 @@
 
 #include "kernels/layout/workspace_layout.cuh"  // POUNCE_HOST_DEVICE, min_i64
 
-namespace pounce::sched {
+namespace pounce::kernels::sched {
 
 // An upper bound of the macrobatch count: every expert may close one, and the rows beyond fill at most
 // ceil(rows / ring_rows) more.
@@ -49,4 +49,4 @@ POUNCE_HOST_DEVICE inline int32_t plan_macrobatches(const int32_t* group_row_off
   return count;
 }
 
-}  // namespace pounce::sched
+}  // namespace pounce::kernels::sched

@@ -211,11 +211,11 @@ std::vector<std::shared_ptr<GpuGroup>> create_local_groups(int num_ranks) {
 
 // ---- workspace ----
 
-layout::WorkspacePointers GpuWorkspace::pointers() const {
-  const layout::WorkspaceLayout& l = layout;
+kernels::layout::WorkspacePointers GpuWorkspace::pointers() const {
+  const kernels::layout::WorkspaceLayout& l = layout;
   char* loc = static_cast<char*>(local);
   auto at = [loc](int64_t offset) { return static_cast<void*>(loc + offset); };
-  layout::WorkspacePointers p{};
+  kernels::layout::WorkspacePointers p{};
   p.rank = rank;
   p.num_ranks = static_cast<int32_t>(l.num_ranks);
   p.num_local_experts = static_cast<int32_t>(l.num_local_experts);
@@ -249,14 +249,14 @@ layout::WorkspacePointers GpuWorkspace::pointers() const {
   p.group_row_offset = static_cast<int32_t*>(at(l.loc_group_row_offset));
   p.group_rows = static_cast<int32_t*>(at(l.loc_group_rows));
   p.shared_row_offset = static_cast<int32_t*>(at(l.loc_shared_row_offset));
-  p.schedule = static_cast<layout::ScheduleEntry*>(at(l.loc_schedule));
+  p.schedule = static_cast<kernels::layout::ScheduleEntry*>(at(l.loc_schedule));
   p.ring_rows = l.ring_rows;
   p.max_macrobatches = static_cast<int32_t>(l.max_macrobatches);
   const bool ring = l.ring_rows < l.rows_capacity;
   p.macrobatch_plan = ring ? static_cast<int32_t*>(at(l.loc_macrobatch_plan)) : nullptr;
   p.macrobatch_offsets = ring ? static_cast<int32_t*>(at(l.loc_macrobatch_offsets)) : nullptr;
   p.macrobatch_owned = ring ? static_cast<int32_t*>(at(l.loc_macrobatch_owned)) : nullptr;
-  p.macrobatch_schedule = ring ? static_cast<layout::ScheduleEntry*>(at(l.loc_macrobatch_schedule)) : nullptr;
+  p.macrobatch_schedule = ring ? static_cast<kernels::layout::ScheduleEntry*>(at(l.loc_macrobatch_schedule)) : nullptr;
   p.x_rows = at(l.loc_x_rows);
   p.g_rows = at(l.loc_g_rows);
   p.u_rows = at(l.loc_u_rows);
@@ -298,7 +298,7 @@ void destroy_workspace(GpuWorkspace* workspace) {
 }
 
 void validate_workspace_shape(const GpuGroup& group, int rank, const Shape& shape, const Config& config,
-                              const layout::WorkspaceLayout& l) {
+                              const kernels::layout::WorkspaceLayout& l) {
   POUNCE_CHECK(shape.num_ranks == group.num_ranks, "shape.num_ranks = ", shape.num_ranks,
                " but the group has ", group.num_ranks, " ranks; set shape.num_ranks to the group size");
   POUNCE_CHECK(rank == group.rank, "rank = ", rank, " but the group is rank ", group.rank);
@@ -308,7 +308,7 @@ void validate_workspace_shape(const GpuGroup& group, int rank, const Shape& shap
                " must be a multiple of 64 for the GPU GEMMs");
   // Row indices and GEMM tile counters are 32-bit on the device: reject shapes beyond them here, before any
   // call can queue work that a launcher would refuse halfway.
-  POUNCE_CHECK(l.rows_capacity < (int64_t{1} << 31) && l.rows_capacity / layout::kBlockM < (int64_t{1} << 24),
+  POUNCE_CHECK(l.rows_capacity < (int64_t{1} << 31) && l.rows_capacity / kernels::layout::kBlockM < (int64_t{1} << 24),
                "the dropless worst case needs ", l.rows_capacity,
                " expert rows per rank, beyond the 32-bit row indices of the GPU kernels; lower max_tokens or "
                "num_topk per rank");
@@ -318,10 +318,10 @@ void validate_workspace_shape(const GpuGroup& group, int rank, const Shape& shap
                "the worst-case receive schedule (", l.rows_capacity,
                " rows for max_tokens = ", shape.max_tokens,
                ") does not fit 32-bit row indices; lower max_tokens");
-  POUNCE_CHECK(l.max_macrobatches <= sched::kMaxMacrobatches,
+  POUNCE_CHECK(l.max_macrobatches <= kernels::sched::kMaxMacrobatches,
                "config.macrobatch_size = ", config.macrobatch_size, " cuts the worst case of ",
                l.rows_capacity, " rows into up to ", l.max_macrobatches, " macrobatches, more than ",
-               sched::kMaxMacrobatches, "; raise macrobatch_size");
+               kernels::sched::kMaxMacrobatches, "; raise macrobatch_size");
 }
 
 }  // namespace
@@ -329,7 +329,7 @@ void validate_workspace_shape(const GpuGroup& group, int rank, const Shape& shap
 GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup> group, int rank, const Shape& shape,
                                  const Config& config, const Environment& environment) {
   POUNCE_CHECK(group != nullptr, "create_workspace needs a GPU group");
-  const layout::WorkspaceLayout l = layout::WorkspaceLayout::make(
+  const kernels::layout::WorkspaceLayout l = kernels::layout::WorkspaceLayout::make(
       shape.max_tokens, shape.hidden, shape.intermediate, shape.shared_intermediate, shape.num_experts,
       shape.num_topk, shape.num_ranks, config.macrobatch_size);
   validate_workspace_shape(*group, rank, shape, config, l);
@@ -350,9 +350,9 @@ GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup> group, int rank, cons
   POUNCE_CUDA(cudaStreamCreateWithFlags(&ws.comm_stream, cudaStreamNonBlocking));
   ws.events.resize(kOverlapEvents);
   for (cudaEvent_t& event : ws.events) POUNCE_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  POUNCE_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&ws.error_host), sizeof(layout::DeviceErrorRecord),
+  POUNCE_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&ws.error_host), sizeof(kernels::layout::DeviceErrorRecord),
                             cudaHostAllocMapped));
-  std::memset(ws.error_host, 0, sizeof(layout::DeviceErrorRecord));
+  std::memset(ws.error_host, 0, sizeof(kernels::layout::DeviceErrorRecord));
   POUNCE_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ws.error_device), ws.error_host, 0));
 
   POUNCE_CUDA(cudaMalloc(&ws.local, l.local_bytes));
@@ -390,40 +390,40 @@ GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup> group, int rank, cons
 // ---- errors ----
 
 namespace {
-const char* wait_name(layout::WaitId id) {
+const char* wait_name(kernels::layout::WaitId id) {
   switch (id) {
-    case layout::WaitId::kRoutingBarrier:
+    case kernels::layout::WaitId::kRoutingBarrier:
       return "forward routing";
-    case layout::WaitId::kCombineBarrier:
+    case kernels::layout::WaitId::kCombineBarrier:
       return "forward combine";
-    case layout::WaitId::kBackwardInputsBarrier:
+    case kernels::layout::WaitId::kBackwardInputsBarrier:
       return "backward inputs (d_out staged)";
-    case layout::WaitId::kBackwardCombineBarrier:
+    case kernels::layout::WaitId::kBackwardCombineBarrier:
       return "backward combine (d_x pushed)";
-    case layout::WaitId::kFusedRowsReady:
+    case kernels::layout::WaitId::kFusedRowsReady:
       return "fused forward: minibatch rows pulled";
-    case layout::WaitId::kFusedGateUpDone:
+    case kernels::layout::WaitId::kFusedGateUpDone:
       return "fused forward: gate/up tiles of an m-block";
-    case layout::WaitId::kFusedRowsDone:
+    case kernels::layout::WaitId::kFusedRowsDone:
       return "fused forward: down tiles of a minibatch, before its push";
-    case layout::WaitId::kFusedTaskHandoff:
+    case kernels::layout::WaitId::kFusedTaskHandoff:
       return "fused kernel: task or stage handoff inside a CTA";
-    case layout::WaitId::kFusedBackwardRowsReady:
+    case kernels::layout::WaitId::kFusedBackwardRowsReady:
       return "fused backward: minibatch dy rows pulled";
-    case layout::WaitId::kFusedActGradDone:
+    case kernels::layout::WaitId::kFusedActGradDone:
       return "fused backward: d_a tiles of an m-block";
-    case layout::WaitId::kFusedBackwardRowsDone:
+    case kernels::layout::WaitId::kFusedBackwardRowsDone:
       return "fused backward: d_x tiles of a minibatch, before its push";
-    case layout::WaitId::kFusedGridStep:
+    case kernels::layout::WaitId::kFusedGridStep:
       return "fused forward: a grid-wide step (index 0 routing, 1 schedule count, 2 schedule placed, 3 "
              "finished)";
-    case layout::WaitId::kFusedReplayRowsReady:
+    case kernels::layout::WaitId::kFusedReplayRowsReady:
       return "fused backward: minibatch x rows pulled again (macrobatch replay)";
-    case layout::WaitId::kFusedReplayDone:
+    case kernels::layout::WaitId::kFusedReplayDone:
       return "fused backward: replayed gate/up tiles of an m-block";
-    case layout::WaitId::kFusedRingFree:
+    case kernels::layout::WaitId::kFusedRingFree:
       return "fused forward: the previous macrobatch's ring rows (down tiles stored, rows pushed)";
-    case layout::WaitId::kNone:
+    case kernels::layout::WaitId::kNone:
       break;
   }
   return "unknown";
@@ -431,11 +431,11 @@ const char* wait_name(layout::WaitId id) {
 }  // namespace
 
 void check_device_errors(GpuWorkspace& workspace) {
-  volatile layout::DeviceErrorRecord* record = workspace.error_host;
+  volatile kernels::layout::DeviceErrorRecord* record = workspace.error_host;
   const int32_t code = record->code;
   if (code == 0) return;
   std::atomic_thread_fence(std::memory_order_acquire);
-  const layout::DeviceErrorRecord copy{code,          record->wait_id,  record->rank,
+  const kernels::layout::DeviceErrorRecord copy{code,          record->wait_id,  record->rank,
                                        record->peer,  record->expected, record->observed,
                                        record->token, record->slot};
   // Clear for the next call: host record first, then the device claim flag on a private stream. A fused
@@ -446,18 +446,18 @@ void check_device_errors(GpuWorkspace& workspace) {
   {
     DeviceGuard guard(workspace.device);
     const auto p = workspace.pointers();
-    if (copy.wait_id == static_cast<int32_t>(layout::WaitId::kFusedTaskHandoff)) {
-      POUNCE_CUDA(cudaMemcpyAsync(&gemm_error, p.fused_counters + layout::kFusedGemmError, sizeof(gemm_error),
+    if (copy.wait_id == static_cast<int32_t>(kernels::layout::WaitId::kFusedTaskHandoff)) {
+      POUNCE_CUDA(cudaMemcpyAsync(&gemm_error, p.fused_counters + kernels::layout::kFusedGemmError, sizeof(gemm_error),
                                   cudaMemcpyDeviceToHost, workspace.side_stream));
     }
     POUNCE_CUDA(cudaMemsetAsync(p.error_claim, 0, sizeof(int32_t), workspace.side_stream));
     POUNCE_CUDA(cudaStreamSynchronize(workspace.side_stream));
   }
   std::ostringstream out;
-  switch (static_cast<layout::DeviceErrorCode>(copy.code)) {
-    case layout::DeviceErrorCode::kWaitTimeout: {
-      const char* which = wait_name(static_cast<layout::WaitId>(copy.wait_id));
-      if (copy.wait_id >= static_cast<int32_t>(layout::WaitId::kFusedRowsReady)) {
+  switch (static_cast<kernels::layout::DeviceErrorCode>(copy.code)) {
+    case kernels::layout::DeviceErrorCode::kWaitTimeout: {
+      const char* which = wait_name(static_cast<kernels::layout::WaitId>(copy.wait_id));
+      if (copy.wait_id >= static_cast<int32_t>(kernels::layout::WaitId::kFusedRowsReady)) {
         out << "GPU wait timed out inside the fused kernel on rank " << copy.rank << ": " << which
             << " (index " << copy.peer << ", expected " << copy.expected << ", observed " << copy.observed;
         if (gemm_error == static_cast<int32_t>(kernels::gemm::WaitError::kFullStage)) {
@@ -479,18 +479,18 @@ void check_device_errors(GpuWorkspace& workspace) {
              "workspaces";
       break;
     }
-    case layout::DeviceErrorCode::kExpertOutOfRange:
+    case kernels::layout::DeviceErrorCode::kExpertOutOfRange:
       out << "topk_idx value out of range: rank " << copy.rank << " found topk_idx[" << copy.token << ", "
           << copy.slot << "] = " << copy.observed << " of source rank " << copy.peer << ", outside [-1, "
           << copy.expected
           << "); expert ids must be global ids below num_experts, or -1 (that slot was skipped)";
       break;
-    case layout::DeviceErrorCode::kScheduleOverflow:
+    case kernels::layout::DeviceErrorCode::kScheduleOverflow:
       out << "receive schedule overflow on rank " << copy.rank << ": the routing needs " << copy.observed
           << " rows but the worst case for distinct expert ids per token is " << copy.expected
           << "; a token names the same expert in several slots (rows beyond the capacity were dropped)";
       break;
-    case layout::DeviceErrorCode::kMacrobatchOverflow:
+    case kernels::layout::DeviceErrorCode::kMacrobatchOverflow:
       out << "macrobatch overflow on rank " << copy.rank << ": local expert " << copy.token << " receives "
           << copy.observed << " rows (padded) but config.macrobatch_size is " << copy.expected
           << "; a token names the same expert in several slots. The routed experts computed nothing in this "
@@ -503,7 +503,7 @@ void check_device_errors(GpuWorkspace& workspace) {
 }
 
 ForwardContextView forward_context(const GpuWorkspace& workspace) {
-  const layout::WorkspacePointers p = workspace.pointers();
+  const kernels::layout::WorkspacePointers p = workspace.pointers();
   ForwardContextView view;
   view.schedule = reinterpret_cast<const int32_t*>(p.schedule);
   view.group_row_offset = p.group_row_offset;

@@ -61,12 +61,12 @@ MlpOperands mlp_operands(const MlpBackward& m, int64_t H, const kernels::Activat
 // mainloops still running. config.minibatch_size overrides.
 int32_t backward_unit_blocks(const GpuWorkspace& workspace, int comm_ctas) {
   const int64_t act_grad_n = std::max<int64_t>(
-      1, layout::ceil_div(workspace.layout.intermediate, kernels::gemm::GemmConfig::BLOCK_N));
+      1, kernels::layout::ceil_div(workspace.layout.intermediate, kernels::gemm::GemmConfig::BLOCK_N));
   const int64_t compute_ctas = std::max(1, workspace.num_sms - comm_ctas);
   const int64_t minibatch = workspace.config.minibatch_size;
-  const int64_t max_m_blocks = std::max<int64_t>(1, workspace.layout.rows_capacity / layout::kBlockM);
+  const int64_t max_m_blocks = std::max<int64_t>(1, workspace.layout.rows_capacity / kernels::layout::kBlockM);
   const int64_t blocks =
-      minibatch > 0 ? minibatch / layout::kBlockM : layout::ceil_div(compute_ctas, act_grad_n);
+      minibatch > 0 ? minibatch / kernels::layout::kBlockM : kernels::layout::ceil_div(compute_ctas, act_grad_n);
   return static_cast<int32_t>(std::clamp<int64_t>(blocks, 1, max_m_blocks));
 }
 
@@ -91,7 +91,7 @@ bool fused_backward_chosen(const GpuWorkspace& workspace) {
 
 void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream) {
   DeviceGuard guard(workspace.device);
-  const layout::WorkspacePointers p = workspace.pointers();
+  const kernels::layout::WorkspacePointers p = workspace.pointers();
   const int64_t H = p.hidden, I = p.intermediate, Is = p.shared_intermediate;
   POUNCE_CHECK(H % 64 == 0 && I % 64 == 0 && Is % 64 == 0,
                "the fused kernel needs hidden, intermediate and shared_intermediate multiples of 64 (got ", H,
@@ -99,11 +99,11 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
   // Communication CTAs are the first to start; with every SM one of them no tile would ever run.
   POUNCE_CHECK(workspace.num_sms >= 2, "the fused kernel needs at least 2 SMs (device ", workspace.device,
                " has ", workspace.num_sms, "); use Config::backward_kernel_path = KernelPath::kStaged");
-  set_shared_limit_once<fused::fused_backward_kernel>(workspace.device, kFusedSharedBytes);
+  set_shared_limit_once<kernels::fused::fused_backward_kernel>(workspace.device, kFusedSharedBytes);
   StageTimer timer("backward", p, stream);
   // The operands are built (and checked) before the prologue queues anything: a refusal after it would
   // leave the peers at the combine barrier.
-  int32_t* gemm_error = reinterpret_cast<int32_t*>(p.fused_counters + layout::kFusedGemmError);
+  int32_t* gemm_error = reinterpret_cast<int32_t*>(p.fused_counters + kernels::layout::kFusedGemmError);
   const kernels::ActivationParams activation = activation_params(workspace.config.activation);
   // Without a shared expert the task list has no shared tiles; null operands would fault, not write the
   // routed gradients, should that ever change.
@@ -111,14 +111,14 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
                                                    args.accumulate_weight_grads, gemm_error)
                                     : MlpOperands{};
   // One launch per possible macrobatch, last first (one without a ring); macrobatch b's routed operands.
-  std::vector<fused::FusedBackwardParams> launches;
+  std::vector<kernels::fused::FusedBackwardParams> launches;
   for (int32_t b = p.max_macrobatches - 1; b >= 0; --b) {
-    const layout::WorkspacePointers mb = p.macrobatch(b);
+    const kernels::layout::WorkspacePointers mb = p.macrobatch(b);
     MlpBackward rows = routed_mlp_backward(mb, args, 0);
     rows.rows.group_active = p.owned_experts(b);  // weight gradients of the experts b holds (all: no ring)
     const MlpOperands routed = mlp_operands(rows, H, activation, args.accumulate_weight_grads, gemm_error);
 
-    fused::FusedBackwardParams params{};
+    kernels::fused::FusedBackwardParams params{};
     params.ws = mb;
     if (b != p.max_macrobatches - 1) params.ws.shared_intermediate = 0;  // the shared expert runs once
     params.shared_act_grad = shared.act_grad;
@@ -130,11 +130,11 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
                                     mb.x_rows, args.inputs.routed.gate.data, args.inputs.routed.up.data,
                                     mb.g_rows, mb.u_rows, mb.act_rows, I, H, activation);
       params.replay_gate_up.args.error_flag = gemm_error;
-      params.replay_row_offset = p.macrobatch(b, layout::MacrobatchRows::kReplay).group_row_offset;
+      params.replay_row_offset = p.macrobatch(b, kernels::layout::MacrobatchRows::kReplay).group_row_offset;
     }
     params.act_grad = routed.act_grad;
     params.data_grad = routed.data_grad;
-    using sched::WeightGradKind;
+    using kernels::sched::WeightGradKind;
     auto weight = [&](WeightGradKind kind) -> kernels::GemmOperands& {
       return params.weight_grad[static_cast<int>(kind)];
     };
@@ -157,15 +157,15 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
   // the later launches end at once and the error keeps its detail.
   POUNCE_CUDA(
       cudaMemsetAsync(p.fused_counters, 0, workspace.layout.fused_counter_words * sizeof(uint32_t), stream));
-  static_assert(layout::kFusedTicket == 0 && layout::kFusedRole == 1, "ticket and role lead the header");
+  static_assert(kernels::layout::kFusedTicket == 0 && kernels::layout::kFusedRole == 1, "ticket and role lead the header");
   for (size_t i = 0; i < launches.size(); ++i) {
     if (i > 0) {
       POUNCE_CUDA(cudaMemsetAsync(p.fused_counters, 0, 2 * sizeof(uint32_t), stream));
       POUNCE_CUDA(cudaMemsetAsync(
-          p.fused_counters + layout::kFusedHeaderWords, 0,
-          (workspace.layout.fused_counter_words - layout::kFusedHeaderWords) * sizeof(uint32_t), stream));
+          p.fused_counters + kernels::layout::kFusedHeaderWords, 0,
+          (workspace.layout.fused_counter_words - kernels::layout::kFusedHeaderWords) * sizeof(uint32_t), stream));
     }
-    fused::fused_backward_kernel<<<workspace.num_sms, kernels::gemm::GemmConfig::kNumThreads,
+    kernels::fused::fused_backward_kernel<<<workspace.num_sms, kernels::gemm::GemmConfig::kNumThreads,
                                    kFusedSharedBytes, stream>>>(launches[i]);
     POUNCE_CUDA(cudaGetLastError());
   }

@@ -43,13 +43,13 @@ constexpr size_t kFusedSharedBytes = kernels::gemm::kSharedBytes;
 
 // POUNCE_PROFILE_STAGES: where the fused kernel's time went, from the %globaltimer stamps of its grid steps
 // (kernels/fused/grid_steps.cuh). Synchronises the stream; skipped while capturing.
-void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) {
+void report_step_times(const kernels::layout::WorkspacePointers& p, cudaStream_t stream) {
   if (p.profile_tiles == 0) return;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   POUNCE_CUDA(cudaStreamIsCapturing(stream, &capture));
   if (capture != cudaStreamCaptureStatusNone) return;
-  unsigned long long ns[layout::kNumStepTimes] = {};
-  POUNCE_CUDA(cudaMemcpyAsync(ns, p.fused_counters + layout::kFusedStepTimes, sizeof(ns),
+  unsigned long long ns[kernels::layout::kNumStepTimes] = {};
+  POUNCE_CUDA(cudaMemcpyAsync(ns, p.fused_counters + kernels::layout::kFusedStepTimes, sizeof(ns),
                               cudaMemcpyDeviceToHost, stream));
   POUNCE_CUDA(cudaStreamSynchronize(stream));
   auto ms = [&](int from, int to) { return ns[from] && ns[to] ? (ns[to] - ns[from]) * 1e-6 : -1.0; };
@@ -58,28 +58,28 @@ void report_step_times(const layout::WorkspacePointers& p, cudaStream_t stream) 
       "pounce profile rank %d fused forward inside, ms after CTA 0's start: last CTA started %.3f, x staged "
       "%.3f, routing ids stored %.3f, fenced %.3f, arrived %.3f; then ms each: routing barrier %.3f schedule "
       "%.3f (count+scan %.3f) tiles+transfers %.3f combine barrier %.3f\n",
-      p.rank, ms(layout::kTimeKernelStarted, layout::kTimeLastCtaStarted),
-      ms(layout::kTimeKernelStarted, layout::kTimeXStaged),
-      ms(layout::kTimeKernelStarted, layout::kTimeRoutingStored),
-      ms(layout::kTimeKernelStarted, layout::kTimeRoutingFenced),
-      ms(layout::kTimeKernelStarted, layout::kTimeRoutingArrived),
-      ms(layout::kTimeRoutingArrived, layout::kTimeRoutingReleased),
-      ms(layout::kTimeRoutingReleased, layout::kTimePlacedReleased),
-      ms(layout::kTimeRoutingReleased, layout::kTimeCountedReleased),
-      ms(layout::kTimePlacedReleased, layout::kTimeLastFinished),
-      ms(layout::kTimeLastFinished, layout::kTimeCombineBarrier));
+      p.rank, ms(kernels::layout::kTimeKernelStarted, kernels::layout::kTimeLastCtaStarted),
+      ms(kernels::layout::kTimeKernelStarted, kernels::layout::kTimeXStaged),
+      ms(kernels::layout::kTimeKernelStarted, kernels::layout::kTimeRoutingStored),
+      ms(kernels::layout::kTimeKernelStarted, kernels::layout::kTimeRoutingFenced),
+      ms(kernels::layout::kTimeKernelStarted, kernels::layout::kTimeRoutingArrived),
+      ms(kernels::layout::kTimeRoutingArrived, kernels::layout::kTimeRoutingReleased),
+      ms(kernels::layout::kTimeRoutingReleased, kernels::layout::kTimePlacedReleased),
+      ms(kernels::layout::kTimeRoutingReleased, kernels::layout::kTimeCountedReleased),
+      ms(kernels::layout::kTimePlacedReleased, kernels::layout::kTimeLastFinished),
+      ms(kernels::layout::kTimeLastFinished, kernels::layout::kTimeCombineBarrier));
   report_tile_profile(p, "forward", {"", "shared gate/up", "shared down", "gate/up", "down"}, stream,
-                      {{"routing released", ns[layout::kTimeRoutingReleased]},
-                       {"schedule placed", ns[layout::kTimePlacedReleased]},
-                       {"last finished", ns[layout::kTimeLastFinished]},
-                       {"combine barrier", ns[layout::kTimeCombineBarrier]}});
+                      {{"routing released", ns[kernels::layout::kTimeRoutingReleased]},
+                       {"schedule placed", ns[kernels::layout::kTimePlacedReleased]},
+                       {"last finished", ns[kernels::layout::kTimeLastFinished]},
+                       {"combine barrier", ns[kernels::layout::kTimeCombineBarrier]}});
 }
 
 // Zeroed counters (a memset node in a captured graph), then the kernel, cooperatively: the grid steps
 // (kernels/fused/grid_steps.cuh) wait for every CTA, so all must be resident; the launch fails instead of
 // hanging when they cannot be.
 template <bool kRing>
-void launch_fused_kernel(GpuWorkspace& workspace, const fused::FusedForwardParams& params,
+void launch_fused_kernel(GpuWorkspace& workspace, const kernels::fused::FusedForwardParams& params,
                          cudaStream_t stream) {
   POUNCE_CUDA(cudaMemsetAsync(params.ws.fused_counters, 0,
                               workspace.layout.fused_counter_words * sizeof(uint32_t), stream));
@@ -93,7 +93,7 @@ void launch_fused_kernel(GpuWorkspace& workspace, const fused::FusedForwardParam
   launch_config.stream = stream;
   launch_config.attrs = &cooperative;
   launch_config.numAttrs = 1;
-  const cudaError_t launched = cudaLaunchKernelEx(&launch_config, fused::fused_forward_kernel<kRing>, params);
+  const cudaError_t launched = cudaLaunchKernelEx(&launch_config, kernels::fused::fused_forward_kernel<kRing>, params);
   if (launched == cudaErrorCooperativeLaunchTooLarge) {
     (void)cudaGetLastError();  // clear it: the call fails here, the workspace stays usable
     POUNCE_CHECK(
@@ -122,15 +122,15 @@ int fused_comm_ctas(const GpuWorkspace& workspace, bool push_combine, int config
 int32_t fused_unit_blocks(const GpuWorkspace& workspace, bool push_combine) {
   const int64_t minibatch = workspace.config.minibatch_size;
   const int64_t heuristic_blocks = push_combine ? kPushUnitBlocks : kDefaultUnitBlocks;
-  const int64_t max_m_blocks = std::max<int64_t>(1, workspace.layout.rows_capacity / layout::kBlockM);
+  const int64_t max_m_blocks = std::max<int64_t>(1, workspace.layout.rows_capacity / kernels::layout::kBlockM);
   return static_cast<int32_t>(
-      std::clamp<int64_t>(minibatch > 0 ? minibatch / layout::kBlockM : heuristic_blocks, 1, max_m_blocks));
+      std::clamp<int64_t>(minibatch > 0 ? minibatch / kernels::layout::kBlockM : heuristic_blocks, 1, max_m_blocks));
 }
 
 void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
                           bool write_out) {
   DeviceGuard guard(workspace.device);
-  const layout::WorkspacePointers p = workspace.pointers();
+  const kernels::layout::WorkspacePointers p = workspace.pointers();
   const int64_t H = p.hidden, I = p.intermediate, Is = p.shared_intermediate;
   const int El = p.num_local_experts;
   POUNCE_CHECK(H % 64 == 0 && I % 64 == 0 && Is % 64 == 0,
@@ -140,20 +140,20 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   // Communication CTAs are the first to start; with every SM one of them no tile would ever run.
   POUNCE_CHECK(workspace.num_sms >= 2, "the fused kernel needs at least 2 SMs (device ", workspace.device,
                " has ", workspace.num_sms, "); use Config::kernel_path = KernelPath::kStaged");
-  set_shared_limit_once<fused::fused_forward_kernel<true>>(workspace.device, kFusedSharedBytes);
-  set_shared_limit_once<fused::fused_forward_kernel<false>>(workspace.device, kFusedSharedBytes);
+  set_shared_limit_once<kernels::fused::fused_forward_kernel<true>>(workspace.device, kFusedSharedBytes);
+  set_shared_limit_once<kernels::fused::fused_forward_kernel<false>>(workspace.device, kFusedSharedBytes);
   // The prologue's schedule counters live in the stage ring's shared memory, one [El] array per warp.
   constexpr size_t kScratchBytes =
-      sizeof(kernels::gemm::SharedStorage::stages) - sizeof(routing::ScanScratch);
-  POUNCE_CHECK(fused::kWarps * El * sizeof(int32_t) <= kScratchBytes,
-               "the fused kernel builds the schedule with ", fused::kWarps,
+      sizeof(kernels::gemm::SharedStorage::stages) - sizeof(kernels::routing::ScanScratch);
+  POUNCE_CHECK(kernels::fused::kWarps * El * sizeof(int32_t) <= kScratchBytes,
+               "the fused kernel builds the schedule with ", kernels::fused::kWarps,
                " x num_local_experts counters in ", kScratchBytes,
                " bytes of shared memory; num_local_experts = ", El,
                " is too many: use Config::kernel_path = KernelPath::kStaged");
   StageTimer timer("forward", p, stream);
   const ForwardLaunch launch = check_forward_args(workspace, args, write_out);
 
-  fused::FusedForwardParams params{};
+  kernels::fused::FusedForwardParams params{};
   params.ws = p;
   params.in.x = args.x.data;
   params.in.topk_idx = args.topk_idx.data;
@@ -177,7 +177,7 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
     params.shared_gate_up = params.gate_up;
     params.shared_down = params.down;
   }
-  int32_t* gemm_error = reinterpret_cast<int32_t*>(p.fused_counters + layout::kFusedGemmError);
+  int32_t* gemm_error = reinterpret_cast<int32_t*>(p.fused_counters + kernels::layout::kFusedGemmError);
   for (kernels::GemmOperands* o :
        {&params.gate_up, &params.down, &params.shared_gate_up, &params.shared_down})
     o->args.error_flag = gemm_error;
@@ -192,8 +192,8 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
     launch_fused_kernel<true>(workspace, params, stream);
     // The backward's view of every macrobatch (kernels/sched/macrobatch_plan.cuh; the kernel planned the same
     // bounds in its scan step)
-    constexpr int kPlanThreads = sched::kPlanThreads;
-    sched::plan_macrobatches_kernel<kPlanThreads><<<workspace.num_sms, kPlanThreads, 0, stream>>>(p, false);
+    constexpr int kPlanThreads = kernels::sched::kPlanThreads;
+    kernels::sched::plan_macrobatches_kernel<kPlanThreads><<<workspace.num_sms, kPlanThreads, 0, stream>>>(p, false);
     POUNCE_CUDA(cudaGetLastError());
   }
   timer.mark("fused");

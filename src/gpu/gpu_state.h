@@ -69,12 +69,12 @@ struct GpuWorkspace {
   int num_sms = 0;
   Shape shape;
   Config config;
-  layout::WorkspaceLayout layout;
+  kernels::layout::WorkspaceLayout layout;
   void* symmetric = nullptr;                        // ncclMemAlloc (R > 1) or cudaMalloc (R = 1)
   ncclWindow_t window = nullptr;                    // R > 1 only
   void* local = nullptr;                            // cudaMalloc
-  layout::DeviceErrorRecord* error_host = nullptr;  // cudaHostAlloc(mapped)
-  layout::DeviceErrorRecord* error_device = nullptr;
+  kernels::layout::DeviceErrorRecord* error_host = nullptr;  // cudaHostAlloc(mapped)
+  kernels::layout::DeviceErrorRecord* error_device = nullptr;
   cudaStream_t side_stream = nullptr;  // clears the error claim flag; never captured
   // Overlap of the staged passes (src/gpu/overlap.h): transfers run on comm_stream, forked from and joined
   // back into the caller's stream with these events (captured into CUDA graphs as fork/join edges).
@@ -86,7 +86,7 @@ struct GpuWorkspace {
   uint64_t timeout_ns = 0;      // POUNCE_PEER_TIMEOUT_S, read at creation (src/environment.h)
   bool profile_stages = false;  // POUNCE_PROFILE_STAGES, the same
 
-  layout::WorkspacePointers pointers() const;
+  kernels::layout::WorkspacePointers pointers() const;
 };
 
 // Shared by the staged passes (src/gpu/staged_forward.cu): the activation as the GEMM epilogues take it,
@@ -99,7 +99,7 @@ kernels::ActivationParams activation_params(const Activation& activation);
 const void* expert_slice(const TensorView& weights, int64_t first_expert);
 // Throws naming `name` unless every non-null tensor of `weights` is 16-byte aligned (TMA needs it).
 void check_weights_aligned(const ExpertWeights& weights, const char* name);
-void launch_barrier(const layout::WorkspacePointers& p, layout::WaitId which, cudaStream_t stream);
+void launch_barrier(const kernels::layout::WorkspacePointers& p, kernels::layout::WaitId which, cudaStream_t stream);
 
 // The parts of a forward both paths share (src/gpu/staged_forward.cu). The prologue checks every argument
 // before it queues anything, then stages x, exchanges the routing (phase barrier) and builds the receive
@@ -146,7 +146,7 @@ void launch_backward_epilogue(GpuWorkspace& workspace, const BackwardArgs& args,
 // paths' restore; the fused backward replays inside its kernel).
 void launch_forward_replay(GpuWorkspace& workspace, const BackwardArgs& args,
                            const kernels::ActivationParams& activation,
-                           const layout::WorkspacePointers& replay, cudaStream_t stream);
+                           const kernels::layout::WorkspacePointers& replay, cudaStream_t stream);
 // With a macrobatch ring, after the last macrobatch's backward: the resident last macrobatch's rows again, so
 // the forward context is what the forward left (one replay when there are several macrobatches, else
 // nothing).

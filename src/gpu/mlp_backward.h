@@ -48,7 +48,7 @@ inline ExpertWeights as_one_expert(const ExpertWeights& w) {
 }
 
 // The shared expert on this rank's own rows: sym_x and sym_d_out, T padded to 128 with zero rows.
-inline MlpBackward shared_mlp_backward(const layout::WorkspacePointers& p, const BackwardArgs& args,
+inline MlpBackward shared_mlp_backward(const kernels::layout::WorkspacePointers& p, const BackwardArgs& args,
                                        int max_ctas) {
   return {{p.token_capacity, p.shared_row_offset, 1, max_ctas},
           p.shared_intermediate,
@@ -65,7 +65,7 @@ inline MlpBackward shared_mlp_backward(const layout::WorkspacePointers& p, const
 }
 
 // The routed experts on the received rows of the forward context (dy pulled by the reverse-combine).
-inline MlpBackward routed_mlp_backward(const layout::WorkspacePointers& p, const BackwardArgs& args,
+inline MlpBackward routed_mlp_backward(const kernels::layout::WorkspacePointers& p, const BackwardArgs& args,
                                        int max_ctas) {
   return {{p.rows_capacity, p.group_row_offset, p.num_local_experts, max_ctas, nullptr, p.group_rows},
           p.intermediate,

@@ -21,7 +21,7 @@ namespace pounce::gpu {
 class StageTimer {
  public:
   // Times the pass when the workspace profiles (POUNCE_PROFILE_STAGES, src/environment.h).
-  StageTimer(const char* pass, const layout::WorkspacePointers& p, cudaStream_t stream)
+  StageTimer(const char* pass, const kernels::layout::WorkspacePointers& p, cudaStream_t stream)
       : pass_(pass), rank_(p.rank), stream_(stream), enabled_(p.profile_tiles != 0) {
     mark("start");
   }
@@ -71,15 +71,15 @@ class StageTimer {
 // skipped while capturing. Then the timeline from the first consumer warpgroup's start: its first task, the
 // kernel's `milestones` (%globaltimer ns, 0 = not reached) and the earliest and latest time a warpgroup ran
 // out of tasks (the tail).
-inline void report_tile_profile(const layout::WorkspacePointers& p, const char* pass,
+inline void report_tile_profile(const kernels::layout::WorkspacePointers& p, const char* pass,
                                 std::initializer_list<const char*> kinds, cudaStream_t stream,
                                 std::initializer_list<std::pair<const char*, uint64_t>> milestones = {}) {
   if (p.profile_tiles == 0) return;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone)
     return;
-  unsigned long long slots[layout::kNumProfileSlots] = {};
-  if (cudaMemcpyAsync(slots, p.fused_counters + layout::kFusedTileProfile, sizeof(slots),
+  unsigned long long slots[kernels::layout::kNumProfileSlots] = {};
+  if (cudaMemcpyAsync(slots, p.fused_counters + kernels::layout::kFusedTileProfile, sizeof(slots),
                       cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
       cudaStreamSynchronize(stream) != cudaSuccess)
     return;
@@ -88,10 +88,10 @@ inline void report_tile_profile(const layout::WorkspacePointers& p, const char* 
   double busy_ms = 0.0, handoff_ms = 0.0;
   int kind = 0;
   for (const char* name : kinds) {
-    const unsigned long long tasks = slots[layout::kProfileKindTasks + kind];
-    const double ms = slots[layout::kProfileKindNs + kind] * 1e-6;
-    const double waited_ms = slots[layout::kProfileHandoffNs + kind] * 1e-6;
-    const double scheduled_ms = slots[layout::kProfileSchedulerNs + kind] * 1e-6;
+    const unsigned long long tasks = slots[kernels::layout::kProfileKindTasks + kind];
+    const double ms = slots[kernels::layout::kProfileKindNs + kind] * 1e-6;
+    const double waited_ms = slots[kernels::layout::kProfileHandoffNs + kind] * 1e-6;
+    const double scheduled_ms = slots[kernels::layout::kProfileSchedulerNs + kind] * 1e-6;
     busy_ms += ms;
     handoff_ms += waited_ms;
     if (tasks > 0) {
@@ -111,25 +111,25 @@ inline void report_tile_profile(const layout::WorkspacePointers& p, const char* 
   // epilogue (until its last store is issued) and the count; then the waits for each kind's tasks by length.
   kind = 0;
   for (const char* name : kinds) {
-    const unsigned long long tasks = slots[layout::kProfileKindTasks + kind];
-    const double ns = static_cast<double>(slots[layout::kProfileKindNs + kind]);
-    const double clocks = static_cast<double>(slots[layout::kProfileKindClocks + kind]);
+    const unsigned long long tasks = slots[kernels::layout::kProfileKindTasks + kind];
+    const double ns = static_cast<double>(slots[kernels::layout::kProfileKindNs + kind]);
+    const double clocks = static_cast<double>(slots[kernels::layout::kProfileKindClocks + kind]);
     if (tasks > 0 && ns > 0 && clocks > 0) {
       const double ghz = clocks / ns;
-      const double first = slots[layout::kProfileFirstStageClocks + kind] / ghz / tasks * 1e-3;
-      const double mainloop = slots[layout::kProfileMainloopClocks + kind] / ghz / tasks * 1e-3;
-      const double count = slots[layout::kProfileCountClocks + kind] / ghz / tasks * 1e-3;
+      const double first = slots[kernels::layout::kProfileFirstStageClocks + kind] / ghz / tasks * 1e-3;
+      const double mainloop = slots[kernels::layout::kProfileMainloopClocks + kind] / ghz / tasks * 1e-3;
+      const double count = slots[kernels::layout::kProfileCountClocks + kind] / ghz / tasks * 1e-3;
       const double whole = ns / tasks * 1e-3;
       std::string waits;
-      for (int bin = 0; bin < layout::kProfileWaitBins; ++bin) {
+      for (int bin = 0; bin < kernels::layout::kProfileWaitBins; ++bin) {
         const unsigned long long n =
-            slots[layout::kProfileWaitBinTasks + layout::kProfileWaitBins * kind + bin];
+            slots[kernels::layout::kProfileWaitBinTasks + kernels::layout::kProfileWaitBins * kind + bin];
         if (n == 0) continue;
         char item[96];
-        const double from_us = bin == 0 ? 0.0 : (layout::kProfileFirstWaitBinNs << (bin - 1)) * 1e-3;
+        const double from_us = bin == 0 ? 0.0 : (kernels::layout::kProfileFirstWaitBinNs << (bin - 1)) * 1e-3;
         std::snprintf(item, sizeof(item), " %s%.2f us: %llu (%.2f ms)",
-                      bin == 0 ? "<" : ">=", bin == 0 ? layout::kProfileFirstWaitBinNs * 1e-3 : from_us, n,
-                      slots[layout::kProfileWaitBinNs + layout::kProfileWaitBins * kind + bin] * 1e-6);
+                      bin == 0 ? "<" : ">=", bin == 0 ? kernels::layout::kProfileFirstWaitBinNs * 1e-3 : from_us, n,
+                      slots[kernels::layout::kProfileWaitBinNs + kernels::layout::kProfileWaitBins * kind + bin] * 1e-6);
         waits += item;
       }
       std::fprintf(
@@ -142,21 +142,21 @@ inline void report_tile_profile(const layout::WorkspacePointers& p, const char* 
     ++kind;
   }
 
-  const uint64_t start = ~slots[layout::kProfileStartInverted];
+  const uint64_t start = ~slots[kernels::layout::kProfileStartInverted];
   auto since_start = [&](uint64_t at) { return at != 0 && at >= start ? (at - start) * 1e-6 : -1.0; };
   std::string timeline = std::string("pounce profile rank ") + std::to_string(p.rank) + " fused " + pass +
                          " timeline (ms from the first consumer start):";
   char item[160];
   std::snprintf(item, sizeof(item), " first task %.3f,",
-                since_start(~slots[layout::kProfileFirstTaskInverted]));
+                since_start(~slots[kernels::layout::kProfileFirstTaskInverted]));
   timeline += item;
   for (const auto& [name, at] : milestones) {
     std::snprintf(item, sizeof(item), " %s %.3f,", name, since_start(at));
     timeline += item;
   }
   std::snprintf(item, sizeof(item), " out of tasks %.3f..%.3f",
-                since_start(~slots[layout::kProfileOutOfTasksInverted]),
-                since_start(slots[layout::kProfileOutOfTasks]));
+                since_start(~slots[kernels::layout::kProfileOutOfTasksInverted]),
+                since_start(slots[kernels::layout::kProfileOutOfTasks]));
   std::fprintf(stderr, "%s%s\n", timeline.c_str(), item);
 }
 

@@ -69,7 +69,7 @@ void launch_mlp_weight_grads(const MlpBackward& m, int64_t H, bool accumulate, i
 
 BackwardLaunch launch_backward_prologue(GpuWorkspace& workspace, const BackwardArgs& args, StageTimer& timer,
                                         cudaStream_t stream) {
-  const layout::WorkspacePointers p = workspace.pointers();
+  const kernels::layout::WorkspacePointers p = workspace.pointers();
   const ForwardArgs& in = args.inputs;
   BackwardLaunch launch;
   launch.num_tokens = num_tokens_of(args);
@@ -88,14 +88,14 @@ BackwardLaunch launch_backward_prologue(GpuWorkspace& workspace, const BackwardA
 
   // 1. Token side: stage d_out and the router weights for the owners' pulls; router gradient from the
   //    forward's slots; barrier.
-  reverse_combine::stage_inputs_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(
+  kernels::reverse_combine::stage_inputs_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(
       p, args.d_out.data, in.topk_weights.as<const float>(), num_tokens);
   if (num_tokens > 0) {
-    reverse_combine::router_grad_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(
+    kernels::reverse_combine::router_grad_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(
         p, args.d_out.data, args.d_topk_weights.as<float>(), num_tokens);
   }
   timer.mark("stage+router_grad");
-  launch_barrier(p, layout::WaitId::kBackwardInputsBarrier, stream);
+  launch_barrier(p, kernels::layout::WaitId::kBackwardInputsBarrier, stream);
   timer.mark("barrier");
   POUNCE_CUDA(cudaGetLastError());
   return launch;
@@ -103,12 +103,12 @@ BackwardLaunch launch_backward_prologue(GpuWorkspace& workspace, const BackwardA
 
 void launch_backward_epilogue(GpuWorkspace& workspace, const BackwardArgs& args, const BackwardLaunch& launch,
                               StageTimer& timer, cudaStream_t stream) {
-  const layout::WorkspacePointers p = workspace.pointers();
+  const kernels::layout::WorkspacePointers p = workspace.pointers();
   // 5. Token side: every d_x pair has arrived after the barrier; fixed-order sum.
-  launch_barrier(p, layout::WaitId::kBackwardCombineBarrier, stream);
+  launch_barrier(p, kernels::layout::WaitId::kBackwardCombineBarrier, stream);
   timer.mark("barrier");
   if (launch.num_tokens > 0) {
-    combine::weighted_sum_kernel<kCopyThreads><<<workspace.num_sms * 4, kCopyThreads, 0, stream>>>(
+    kernels::combine::weighted_sum_kernel<kCopyThreads><<<workspace.num_sms * 4, kCopyThreads, 0, stream>>>(
         p, p.sym_dx_slots, nullptr, p.shared_intermediate > 0 ? p.shared_dx : nullptr, args.d_x.data,
         launch.num_tokens);
   }
@@ -118,9 +118,9 @@ void launch_backward_epilogue(GpuWorkspace& workspace, const BackwardArgs& args,
 
 void launch_forward_replay(GpuWorkspace& workspace, const BackwardArgs& args,
                            const kernels::ActivationParams& activation,
-                           const layout::WorkspacePointers& replay, cudaStream_t stream) {
+                           const kernels::layout::WorkspacePointers& replay, cudaStream_t stream) {
   const int El = replay.num_local_experts;
-  dispatch::dispatch_pull_kernel<kCommThreads><<<workspace.num_sms, kCommThreads, 0, stream>>>(replay, 0, El);
+  kernels::dispatch::dispatch_pull_kernel<kCommThreads><<<workspace.num_sms, kCommThreads, 0, stream>>>(replay, 0, El);
   const kernels::GroupedRows rows{replay.rows_capacity, replay.group_row_offset, El, 0, nullptr,
                                   replay.group_rows};
   kernels::grouped_gate_up(rows, replay.x_rows, args.inputs.routed.gate.data, args.inputs.routed.up.data,
@@ -131,10 +131,10 @@ void launch_forward_replay(GpuWorkspace& workspace, const BackwardArgs& args,
 
 void launch_context_restore(GpuWorkspace& workspace, const BackwardArgs& args,
                             const kernels::ActivationParams& activation, cudaStream_t stream) {
-  const layout::WorkspacePointers p = workspace.pointers();
+  const kernels::layout::WorkspacePointers p = workspace.pointers();
   if (!p.has_ring()) return;
   for (int32_t b = 0; b < p.max_macrobatches; ++b)
-    launch_forward_replay(workspace, args, activation, p.macrobatch(b, layout::MacrobatchRows::kRestore),
+    launch_forward_replay(workspace, args, activation, p.macrobatch(b, kernels::layout::MacrobatchRows::kRestore),
                           stream);
 }
 
@@ -143,14 +143,14 @@ namespace {
 // One macrobatch's routed backward (the whole routed part without a ring) on mb = p.macrobatch(b), with the
 // shared expert's backward in the first one to run.
 void launch_macrobatch_backward(GpuWorkspace& workspace, const BackwardArgs& args,
-                                const BackwardLaunch& launch, const layout::WorkspacePointers& p, int32_t b,
+                                const BackwardLaunch& launch, const kernels::layout::WorkspacePointers& p, int32_t b,
                                 bool with_shared, StageTimer& timer, cudaStream_t stream) {
-  const layout::WorkspacePointers mb = p.macrobatch(b);
+  const kernels::layout::WorkspacePointers mb = p.macrobatch(b);
   const int64_t H = p.hidden, Is = p.shared_intermediate;
   const kernels::ActivationParams& activation = launch.activation;
   // Only the last macrobatch's x, g, u, act rows are resident after the forward: replay the others'.
   if (p.has_ring())
-    launch_forward_replay(workspace, args, activation, p.macrobatch(b, layout::MacrobatchRows::kReplay),
+    launch_forward_replay(workspace, args, activation, p.macrobatch(b, kernels::layout::MacrobatchRows::kReplay),
                           stream);
 
   // 2-4 overlapped (src/gpu/overlap.h): the comm stream pulls chunk c's scaled d_out rows while earlier
@@ -161,7 +161,7 @@ void launch_macrobatch_backward(GpuWorkspace& workspace, const BackwardArgs& arg
   overlap.comm_after_main();
   cudaEvent_t pulled[kMaxChunks];
   for (int c = 0; c < overlap.num_chunks(); ++c) {
-    reverse_combine::pull_scaled_rows_kernel<kCommThreads><<<overlap.comm_sms(), kCommThreads, 0, comm>>>(
+    kernels::reverse_combine::pull_scaled_rows_kernel<kCommThreads><<<overlap.comm_sms(), kCommThreads, 0, comm>>>(
         mb, overlap.chunk_begin(c), overlap.chunk_begin(c + 1));
     pulled[c] = overlap.mark(comm);
   }
@@ -182,7 +182,7 @@ void launch_macrobatch_backward(GpuWorkspace& workspace, const BackwardArgs& arg
     overlap.wait(stream, pulled[c]);
     launch_mlp_data_grads(routed, e0, e1 - e0, H, activation, stream);
     overlap.comm_after_main();
-    combine::combine_push_kernel<kCommThreads>
+    kernels::combine::combine_push_kernel<kCommThreads>
         <<<overlap.comm_sms(), kCommThreads, 0, comm>>>(mb, mb.dx_rows, mb.sym_dx_slots, e0, e1);
   }
   POUNCE_CUDA(cudaGetLastError());
@@ -198,7 +198,7 @@ void launch_macrobatch_backward(GpuWorkspace& workspace, const BackwardArgs& arg
 
 void launch_staged_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream) {
   DeviceGuard guard(workspace.device);
-  const layout::WorkspacePointers p = workspace.pointers();
+  const kernels::layout::WorkspacePointers p = workspace.pointers();
   StageTimer timer("backward", p, stream);
   const BackwardLaunch launch = launch_backward_prologue(workspace, args, timer, stream);
   // Every possible macrobatch, last first (one without a ring): the forward left the last one resident.

@@ -60,14 +60,14 @@ kernels::ActivationParams activation_params(const Activation& activation) {
   return params;
 }
 
-void launch_barrier(const layout::WorkspacePointers& p, layout::WaitId which, cudaStream_t stream) {
+void launch_barrier(const kernels::layout::WorkspacePointers& p, kernels::layout::WaitId which, cudaStream_t stream) {
   if (p.num_ranks == 1) return;
   POUNCE_CHECK(p.num_ranks <= kBarrierThreads, "num_ranks = ", p.num_ranks, " exceeds ", kBarrierThreads);
-  routing::phase_barrier_kernel<kBarrierThreads><<<1, kBarrierThreads, 0, stream>>>(p, which);
+  kernels::routing::phase_barrier_kernel<kBarrierThreads><<<1, kBarrierThreads, 0, stream>>>(p, which);
 }
 
 ForwardLaunch check_forward_args(GpuWorkspace& workspace, const ForwardArgs& args, bool write_out) {
-  const layout::WorkspacePointers p = workspace.pointers();
+  const kernels::layout::WorkspacePointers p = workspace.pointers();
   ForwardLaunch launch;
   launch.num_tokens = args.x.shape.empty() ? 0 : args.x.shape[0];
   const int64_t num_tokens = launch.num_tokens;
@@ -86,32 +86,32 @@ ForwardLaunch check_forward_args(GpuWorkspace& workspace, const ForwardArgs& arg
 
 ForwardLaunch launch_forward_prologue(GpuWorkspace& workspace, const ForwardArgs& args, bool write_out,
                                       StageTimer& timer, cudaStream_t stream) {
-  const layout::WorkspacePointers p = workspace.pointers();
+  const kernels::layout::WorkspacePointers p = workspace.pointers();
   const ForwardLaunch launch = check_forward_args(workspace, args, write_out);
   const int64_t num_tokens = launch.num_tokens;
   const int copy_grid = workspace.num_sms * 4;
 
   // 1. This rank's x into its symmetric buffer (peers pull from it), shared-expert row offsets.
-  dispatch::stage_x_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(p, args.x.data, num_tokens);
+  kernels::dispatch::stage_x_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(p, args.x.data, num_tokens);
   // 2. Routing exchange: topk_idx (int32) and T into every peer; barrier.
-  routing::routing_exchange_kernel<kCopyThreads>
+  kernels::routing::routing_exchange_kernel<kCopyThreads>
       <<<copy_grid, kCopyThreads, 0, stream>>>(p, args.topk_idx.data, launch.idx_int64, num_tokens);
   timer.mark("stage+exchange");
-  launch_barrier(p, layout::WaitId::kRoutingBarrier, stream);
+  launch_barrier(p, kernels::layout::WaitId::kRoutingBarrier, stream);
   timer.mark("barrier");
   // 3. Receive schedule on the device.
   const dim3 schedule_grid(
-      static_cast<unsigned>(layout::ceil_div(p.max_chunks, routing::kScheduleWarpsPerBlock)),
+      static_cast<unsigned>(kernels::layout::ceil_div(p.max_chunks, kernels::routing::kScheduleWarpsPerBlock)),
       static_cast<unsigned>(p.num_ranks));
-  const size_t schedule_smem = routing::kScheduleWarpsPerBlock * p.num_local_experts * sizeof(int32_t);
-  routing::schedule_count_kernel<routing::kScheduleThreads>
-      <<<schedule_grid, routing::kScheduleThreads, schedule_smem, stream>>>(p);
-  routing::schedule_scan_kernel<kScanThreads><<<1, kScanThreads, 0, stream>>>(p);
-  routing::schedule_place_kernel<routing::kScheduleThreads>
-      <<<schedule_grid, routing::kScheduleThreads, schedule_smem, stream>>>(p);
+  const size_t schedule_smem = kernels::routing::kScheduleWarpsPerBlock * p.num_local_experts * sizeof(int32_t);
+  kernels::routing::schedule_count_kernel<kernels::routing::kScheduleThreads>
+      <<<schedule_grid, kernels::routing::kScheduleThreads, schedule_smem, stream>>>(p);
+  kernels::routing::schedule_scan_kernel<kScanThreads><<<1, kScanThreads, 0, stream>>>(p);
+  kernels::routing::schedule_place_kernel<kernels::routing::kScheduleThreads>
+      <<<schedule_grid, kernels::routing::kScheduleThreads, schedule_smem, stream>>>(p);
   if (p.has_ring()) {
-    constexpr int kPlanThreads = sched::kPlanThreads;
-    sched::plan_macrobatches_kernel<kPlanThreads><<<workspace.num_sms, kPlanThreads, 0, stream>>>(p, true);
+    constexpr int kPlanThreads = kernels::sched::kPlanThreads;
+    kernels::sched::plan_macrobatches_kernel<kPlanThreads><<<workspace.num_sms, kPlanThreads, 0, stream>>>(p, true);
   }
   POUNCE_CUDA(cudaGetLastError());
   timer.mark("schedule");
@@ -120,9 +120,9 @@ ForwardLaunch launch_forward_prologue(GpuWorkspace& workspace, const ForwardArgs
 
 void launch_forward_epilogue(GpuWorkspace& workspace, const ForwardArgs& args, const ForwardLaunch& launch,
                              bool write_out, StageTimer& timer, cudaStream_t stream) {
-  const layout::WorkspacePointers p = workspace.pointers();
+  const kernels::layout::WorkspacePointers p = workspace.pointers();
   // 8. Every output row has reached its owner after the barrier; weighted sum over slots.
-  launch_barrier(p, layout::WaitId::kCombineBarrier, stream);
+  launch_barrier(p, kernels::layout::WaitId::kCombineBarrier, stream);
   timer.mark("barrier");
   launch_weighted_sum(workspace, args, launch, write_out, stream);
   timer.mark("sum");
@@ -130,9 +130,9 @@ void launch_forward_epilogue(GpuWorkspace& workspace, const ForwardArgs& args, c
 
 void launch_weighted_sum(GpuWorkspace& workspace, const ForwardArgs& args, const ForwardLaunch& launch,
                          bool write_out, cudaStream_t stream) {
-  const layout::WorkspacePointers p = workspace.pointers();
+  const kernels::layout::WorkspacePointers p = workspace.pointers();
   if (write_out && launch.num_tokens > 0) {
-    combine::weighted_sum_kernel<kCopyThreads><<<workspace.num_sms * 4, kCopyThreads, 0, stream>>>(
+    kernels::combine::weighted_sum_kernel<kCopyThreads><<<workspace.num_sms * 4, kCopyThreads, 0, stream>>>(
         p, p.sym_y_slots, args.topk_weights.as<const float>(),
         p.shared_intermediate > 0 ? p.shared_y : nullptr, args.out.data, launch.num_tokens);
   }
@@ -142,7 +142,7 @@ void launch_weighted_sum(GpuWorkspace& workspace, const ForwardArgs& args, const
 // One macrobatch's routed work (the whole routed part without a ring), on `mb` = p.macrobatch(b), and with
 // the shared expert in macrobatch 0.
 void launch_macrobatch_forward(GpuWorkspace& workspace, const ForwardArgs& args, const ForwardLaunch& launch,
-                               const layout::WorkspacePointers& mb, bool with_shared, StageTimer& timer,
+                               const kernels::layout::WorkspacePointers& mb, bool with_shared, StageTimer& timer,
                                cudaStream_t stream) {
   const int64_t H = mb.hidden, I = mb.intermediate, Is = mb.shared_intermediate;
   const kernels::ActivationParams& activation = launch.activation;
@@ -154,7 +154,7 @@ void launch_macrobatch_forward(GpuWorkspace& workspace, const ForwardArgs& args,
   overlap.comm_after_main();
   cudaEvent_t pulled[kMaxChunks];
   for (int c = 0; c < overlap.num_chunks(); ++c) {
-    dispatch::dispatch_pull_kernel<kCommThreads><<<overlap.comm_sms(), kCommThreads, 0, comm>>>(
+    kernels::dispatch::dispatch_pull_kernel<kCommThreads><<<overlap.comm_sms(), kCommThreads, 0, comm>>>(
         mb, overlap.chunk_begin(c), overlap.chunk_begin(c + 1));
     pulled[c] = overlap.mark(comm);
   }
@@ -178,7 +178,7 @@ void launch_macrobatch_forward(GpuWorkspace& workspace, const ForwardArgs& args,
                              activation, stream);
     kernels::grouped_gemm(routed, mb.act_rows, expert_slice(args.routed.down, e0), mb.y_rows, H, I, stream);
     overlap.comm_after_main();
-    combine::combine_push_kernel<kCommThreads>
+    kernels::combine::combine_push_kernel<kCommThreads>
         <<<overlap.comm_sms(), kCommThreads, 0, comm>>>(mb, mb.y_rows, mb.sym_y_slots, e0, e1);
   }
   timer.mark("chunks");
@@ -190,7 +190,7 @@ void launch_macrobatch_forward(GpuWorkspace& workspace, const ForwardArgs& args,
 void launch_staged_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
                            bool write_out) {
   DeviceGuard guard(workspace.device);
-  const layout::WorkspacePointers p = workspace.pointers();
+  const kernels::layout::WorkspacePointers p = workspace.pointers();
   StageTimer timer("forward", p, stream);
   const ForwardLaunch launch = launch_forward_prologue(workspace, args, write_out, timer, stream);
   // Every possible macrobatch in order (one without a ring); those past the plan's count find no rows.

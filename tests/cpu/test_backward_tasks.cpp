@@ -15,12 +15,12 @@
 
 namespace {
 
-using pounce::sched::BackwardTask;
-using pounce::sched::BackwardTaskCursor;
-using pounce::sched::BackwardTaskKind;
-using pounce::sched::BackwardTaskShape;
-using pounce::sched::kNumWeightGrads;
-using pounce::sched::WeightGradKind;
+using pounce::kernels::sched::BackwardTask;
+using pounce::kernels::sched::BackwardTaskCursor;
+using pounce::kernels::sched::BackwardTaskKind;
+using pounce::kernels::sched::BackwardTaskShape;
+using pounce::kernels::sched::kNumWeightGrads;
+using pounce::kernels::sched::WeightGradKind;
 
 std::vector<BackwardTask> walk(const BackwardTaskShape& shape) {
   return pounce::test::walk<BackwardTaskCursor, BackwardTask>(shape);
@@ -120,7 +120,7 @@ void check_shape(const BackwardTaskShape& shape) {
 
 // Data extents {shared m, routed m, unit, shared d_a n, shared d_x n, d_a n, d_x n}; weights for El
 // experts and a shared expert (or none), H and I in 64-column units of the test.
-BackwardTaskShape make_shape(pounce::sched::ForwardTaskShape data, int32_t El, bool shared, int32_t H_blocks,
+BackwardTaskShape make_shape(pounce::kernels::sched::ForwardTaskShape data, int32_t El, bool shared, int32_t H_blocks,
                              int32_t I_blocks) {
   BackwardTaskShape shape;
   shape.data = data;
@@ -158,7 +158,7 @@ TEST(BackwardTasks, ReplayTilesComeFirst) {
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); };
   for (int i = 0; i < 100; ++i) {
     const bool shared = pick(0, 1) == 1;
-    const pounce::sched::ForwardTaskShape data{
+    const pounce::kernels::sched::ForwardTaskShape data{
         shared ? pick(0, 20) : 0, pick(1, 60), pick(1, 12), shared ? pick(1, 5) : 0,
         shared ? pick(1, 5) : 0,  pick(1, 5),  pick(1, 5)};
     BackwardTaskShape shape = make_shape(data, pick(1, 9), shared, pick(1, 4), pick(1, 4));
@@ -175,7 +175,7 @@ TEST(BackwardTasks, RandomShapes) {
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); };
   for (int i = 0; i < 200; ++i) {
     const bool shared = pick(0, 1) == 1;
-    const pounce::sched::ForwardTaskShape data{
+    const pounce::kernels::sched::ForwardTaskShape data{
         shared ? pick(0, 20) : 0, pick(0, 60), pick(1, 12), shared ? pick(1, 5) : 0,
         shared ? pick(1, 5) : 0,  pick(1, 5),  pick(1, 5)};
     SCOPED_TRACE(::testing::Message() << "shape " << i);

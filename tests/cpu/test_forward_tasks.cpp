@@ -13,10 +13,10 @@
 
 namespace {
 
-using pounce::sched::ForwardTaskCursor;
-using pounce::sched::ForwardTaskShape;
-using pounce::sched::Task;
-using pounce::sched::TaskKind;
+using pounce::kernels::sched::ForwardTaskCursor;
+using pounce::kernels::sched::ForwardTaskShape;
+using pounce::kernels::sched::Task;
+using pounce::kernels::sched::TaskKind;
 
 std::vector<Task> walk(const ForwardTaskShape& shape) {
   return pounce::test::walk<ForwardTaskCursor, Task>(shape);

@@ -17,13 +17,13 @@
 
 namespace {
 
-using pounce::sched::ForwardTaskCursor;
-using pounce::sched::ForwardTaskShape;
-using pounce::sched::MacrobatchTask;
-using pounce::sched::MacrobatchTaskCursor;
-using pounce::sched::MacrobatchTaskShape;
-using pounce::sched::Task;
-using pounce::sched::TaskKind;
+using pounce::kernels::sched::ForwardTaskCursor;
+using pounce::kernels::sched::ForwardTaskShape;
+using pounce::kernels::sched::MacrobatchTask;
+using pounce::kernels::sched::MacrobatchTaskCursor;
+using pounce::kernels::sched::MacrobatchTaskShape;
+using pounce::kernels::sched::Task;
+using pounce::kernels::sched::TaskKind;
 constexpr int32_t kBlockM = 128;
 
 bool routed(TaskKind kind) {
@@ -39,8 +39,8 @@ std::vector<int32_t> plan_bounds(const std::vector<int32_t>& rows_per_expert, in
   for (int32_t rows : rows_per_expert)
     offsets.push_back(offsets.back() + (rows + kBlockM - 1) / kBlockM * kBlockM);
   const int32_t groups = static_cast<int32_t>(rows_per_expert.size());
-  std::vector<int32_t> bounds(pounce::sched::max_macrobatches(groups, offsets.back(), ring_rows) + 1);
-  const int32_t count = pounce::sched::plan_macrobatches(offsets.data(), groups, ring_rows, bounds.data());
+  std::vector<int32_t> bounds(pounce::kernels::sched::max_macrobatches(groups, offsets.back(), ring_rows) + 1);
+  const int32_t count = pounce::kernels::sched::plan_macrobatches(offsets.data(), groups, ring_rows, bounds.data());
   bounds.resize(count + 1);
   return bounds;
 }

@@ -13,8 +13,8 @@
 
 namespace {
 
-using pounce::sched::max_macrobatches;
-using pounce::sched::plan_macrobatches;
+using pounce::kernels::sched::max_macrobatches;
+using pounce::kernels::sched::plan_macrobatches;
 
 std::vector<int32_t> plan(const std::vector<int32_t>& offsets, int32_t ring) {
   const int32_t groups = static_cast<int32_t>(offsets.size()) - 1;
@@ -142,7 +142,7 @@ TEST(Macrobatches, RingOfWholeExpertsStaysWithinTheLayoutBound) {
 // 2 * floor(rows_capacity / ring) + 1 macrobatches; the default (0) and a ring at the worst case keep the
 // layout without a ring.
 TEST(Macrobatches, RingShrinksTheRoutedRowBuffers) {
-  using pounce::layout::WorkspaceLayout;
+  using pounce::kernels::layout::WorkspaceLayout;
   // deepseek-v3 at EP8, 4096 tokens per rank: 32 local experts, top-8
   const WorkspaceLayout worst = WorkspaceLayout::make(4096, 7168, 2048, 2048, 256, 8, 8, 0);
   const WorkspaceLayout same = WorkspaceLayout::make(4096, 7168, 2048, 2048, 256, 8, 8, worst.rows_capacity);
