@@ -53,8 +53,9 @@ void print_checks(std::ostream& out, const std::vector<TensorCheck>& checks, std
 }
 
 void print_timing(std::ostream& out, const Timing& timing, int iters) {
-  out << format("timing (median of %d run%s, per run the slowest rank; TFLOP/s per rank as docs/design.md §7):\n",
-                iters, iters > 1 ? "s" : "");
+  out << format(
+      "timing (median of %d run%s, per run the slowest rank; TFLOP/s per rank as docs/design.md §7):\n",
+      iters, iters > 1 ? "s" : "");
   out << format("  forward            %10.3f ms  %8.3g TFLOP/s\n", timing.forward_ms,
                 tflops(timing.forward_flops, timing.forward_ms));
   if (!timing.has_backward) return;

@@ -86,7 +86,8 @@ void publish(WorkspaceState& state, const void* args, const std::string& local_e
   const int rank = state.group.rank();
   group.published[rank] = args;
   group.errors[rank] = local_error;
-  group.barrier.arrive_and_wait(std::string(call) + ": inputs published", rank, state.environment.peer_timeout);
+  group.barrier.arrive_and_wait(std::string(call) + ": inputs published", rank,
+                                state.environment.peer_timeout);
   std::string first_error;
   for (int peer = 0; peer < group.num_ranks && first_error.empty(); ++peer) {
     if (group.errors[peer].empty()) continue;
@@ -112,7 +113,8 @@ void evaluate_on_rank0(WorkspaceState& state, const char* call, Evaluate&& evalu
       group.group_error = error.what();
     }
   }
-  group.barrier.arrive_and_wait(std::string(call) + ": group evaluated", rank, state.environment.peer_timeout);
+  group.barrier.arrive_and_wait(std::string(call) + ": group evaluated", rank,
+                                state.environment.peer_timeout);
   if (!group.group_error.empty())
     throw Error(std::string(call) + " failed on the group: " + group.group_error);
 }

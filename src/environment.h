@@ -4,8 +4,9 @@
 //
 //   POUNCE_PEER_TIMEOUT_S   seconds a wait on a peer (device flags, barriers, the CPU group's host barriers)
 //                           may take before the call fails with a record of the wait; default 120
-//   POUNCE_PROFILE_STAGES   set (to anything): each pass prints where its time went, stage by stage, and the
-//                           fused kernels record their grid steps and tiles (synchronises; not while capturing)
+//   POUNCE_PROFILE_STAGES   set (to anything): each pass prints where its time went, stage by stage, and
+//                           the fused kernels record their grid steps and tiles (synchronises; skipped
+//                           while a stream is being captured)
 //
 // NCCL_NVLS_ENABLE is checked when a GPU group is created: Pounce never uses NVLink multicast, so it must be
 // unset (Pounce then sets it to 0) or 0.

@@ -1,6 +1,5 @@
 #include "src/host_barrier.h"
 
-
 #include "pounce/error.h"
 
 namespace pounce {

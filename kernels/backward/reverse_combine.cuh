@@ -31,7 +31,7 @@ __device__ __forceinline__ void stage_inputs(const layout::WorkspacePointers& ws
   for (int64_t t = warp::global_index(); t < padded_tokens; t += warp::num_global()) {
     if (t < num_tokens) {
       warp::copy_16b(sym_d_out + t * row_vectors, static_cast<const int4*>(d_out) + t * row_vectors,
-                              row_vectors);
+                     row_vectors);
     } else {
       warp::zero_16b(sym_d_out + t * row_vectors, row_vectors);
     }

@@ -39,8 +39,7 @@ __device__ __forceinline__ void push_row(const layout::WorkspacePointers& ws, co
   if (entry.src_rank < 0) return;
   const int64_t row_vectors = ws.hidden * layout::kBf16Bytes / 16;
   warp::copy_16b<kDepth>(slot_row<int4>(ws, sym_slots, entry),
-                                  static_cast<const int4*>(rows) + (row - ring_first) * row_vectors,
-                                  row_vectors);
+                         static_cast<const int4*>(rows) + (row - ring_first) * row_vectors, row_vectors);
 }
 
 // A schedule row whose expert output cannot be computed (a macrobatch overflow): its owner's slot gets bf16

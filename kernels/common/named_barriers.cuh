@@ -1,6 +1,6 @@
 // The named barriers (bar.sync ids) of the 384-thread GEMM / fused CTA, in one list so that no two stages
-// pick the same id. Id 0 is __syncthreads. Each barrier joins the 128 threads of one warpgroup, and every kind
-// has one id per warpgroup index (0 or 1: the two consumer warpgroups, or warpgroups 1 and 2 of a
+// pick the same id. Id 0 is __syncthreads. Each barrier joins the 128 threads of one warpgroup, and every
+// kind has one id per warpgroup index (0 or 1: the two consumer warpgroups, or warpgroups 1 and 2 of a
 // communication CTA), so the two warpgroups never wait on each other. Kinds differ so that a warpgroup whose
 // warps fell apart at one (per-thread timeouts) can never pair with another kind's.
 #pragma once

@@ -1,5 +1,6 @@
 // Warp-wide helpers every stage shares: row copies by one warp, and the grid's warps as one index space.
-// A row is a run of 16-byte vectors (bf16 rows of H or I elements, H % 8 == 0); lane l moves vectors l, l + 32,
+// A row is a run of 16-byte vectors (bf16 rows of H or I elements, H % 8 == 0); lane l moves vectors l, l +
+// 32,
 // ... The copies are plain loads and stores: the caller orders them (flags.cuh, barriers) as its stage says.
 #pragma once
 

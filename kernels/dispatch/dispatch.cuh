@@ -46,7 +46,7 @@ __device__ __forceinline__ void pull_row(const layout::WorkspacePointers& ws, in
     warp::zero_16b(dst, row_vectors);
   } else {
     warp::copy_16b<kDepth>(dst, ws.peer<const int4>(entry.src_rank, ws.sym_x) + entry.src_token * row_vectors,
-                          row_vectors);
+                           row_vectors);
   }
 }
 
@@ -99,7 +99,8 @@ __device__ __forceinline__ void pull_row_pair(const layout::WorkspacePointers& w
 __device__ __forceinline__ void pull_rows(const layout::WorkspacePointers& ws, int expert_begin,
                                           int expert_end) {
   const int64_t first_row = ws.group_row_offset[expert_begin], end_row = ws.group_row_offset[expert_end];
-  for (int64_t row = first_row + warp::global_index(); row < end_row; row += warp::num_global()) pull_row(ws, row);
+  for (int64_t row = first_row + warp::global_index(); row < end_row; row += warp::num_global())
+    pull_row(ws, row);
 }
 
 template <int kNumThreads>

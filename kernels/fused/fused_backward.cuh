@@ -1,5 +1,5 @@
-// The fused backward kernel (docs/design.md §2, issue #5): reverse-combine pull, the shared expert's backward,
-// d_a with the activation backward, d_x, the reverse-dispatch push and every weight gradient in ONE
+// The fused backward kernel (docs/design.md §2, issue #5): reverse-combine pull, the shared expert's
+// backward, d_a with the activation backward, d_x, the reverse-dispatch push and every weight gradient in ONE
 // persistent launch, one CTA per SM, after the backward's token side (stage d_out, router gradient,
 // barrier) and before its combine barrier and d_x sum (src/gpu/fused_backward.cu runs those around it).
 //
@@ -376,13 +376,11 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       replay.replay = true;
       replay.push_combine = false;
       run_communication(
-          ws, slots.go, replay, role,
-          [&](int64_t row) { dispatch::pull_row<kPullDepth>(ws, row); },
+          ws, slots.go, replay, role, [&](int64_t row) { dispatch::pull_row<kPullDepth>(ws, row); },
           [](int64_t) {});
     }
     run_communication(
-        ws, slots.go, plan, role,
-        [&](int64_t row) { reverse_combine::pull_scaled_row<kPullDepth>(ws, row); },
+        ws, slots.go, plan, role, [&](int64_t row) { reverse_combine::pull_scaled_row<kPullDepth>(ws, row); },
         [&](int64_t row) { combine::push_row<8>(ws, ws.dx_rows, ws.sym_dx_slots, row); });
     // The weight-gradient tail needs no transfer: every SM computes it, as the staged path's GEMMs do.
     turn_to_compute(ss, slots);

@@ -1,5 +1,5 @@
-// The fused backward kernel's task list (docs/design.md §2, issue #5): every GEMM tile of one backward pass in a
-// topological order, handed out by an atomic ticket.
+// The fused backward kernel's task list (docs/design.md §2, issue #5): every GEMM tile of one backward pass
+// in a topological order, handed out by an atomic ticket.
 //
 // Data gradients walk the forward's two-GEMM unit list (forward_tasks.cuh) with the backward's GEMMs in the
 // two places: the first GEMM of a unit is d_a = dy . w_down with the activation backward in its epilogue

@@ -1,6 +1,6 @@
-// The fused forward kernel's task list (docs/design.md §2): every GEMM tile of one forward pass in a topological
-// order, handed out by an atomic ticket, so a persistent grid never waits on a tile that has not been
-// handed out.
+// The fused forward kernel's task list (docs/design.md §2): every GEMM tile of one forward pass in a
+// topological order, handed out by an atomic ticket, so a persistent grid never waits on a tile that has not
+// been handed out.
 //
 // Work is cut into minibatches ("units") of up to `unit_blocks` m-blocks: the shared expert's rows first
 // (they need no transfer, so tensor cores start while the first routed rows are in flight), then the

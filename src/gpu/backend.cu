@@ -256,7 +256,8 @@ kernels::layout::WorkspacePointers GpuWorkspace::pointers() const {
   p.macrobatch_plan = ring ? static_cast<int32_t*>(at(l.loc_macrobatch_plan)) : nullptr;
   p.macrobatch_offsets = ring ? static_cast<int32_t*>(at(l.loc_macrobatch_offsets)) : nullptr;
   p.macrobatch_owned = ring ? static_cast<int32_t*>(at(l.loc_macrobatch_owned)) : nullptr;
-  p.macrobatch_schedule = ring ? static_cast<kernels::layout::ScheduleEntry*>(at(l.loc_macrobatch_schedule)) : nullptr;
+  p.macrobatch_schedule =
+      ring ? static_cast<kernels::layout::ScheduleEntry*>(at(l.loc_macrobatch_schedule)) : nullptr;
   p.x_rows = at(l.loc_x_rows);
   p.g_rows = at(l.loc_g_rows);
   p.u_rows = at(l.loc_u_rows);
@@ -308,10 +309,11 @@ void validate_workspace_shape(const GpuGroup& group, int rank, const Shape& shap
                " must be a multiple of 64 for the GPU GEMMs");
   // Row indices and GEMM tile counters are 32-bit on the device: reject shapes beyond them here, before any
   // call can queue work that a launcher would refuse halfway.
-  POUNCE_CHECK(l.rows_capacity < (int64_t{1} << 31) && l.rows_capacity / kernels::layout::kBlockM < (int64_t{1} << 24),
-               "the dropless worst case needs ", l.rows_capacity,
-               " expert rows per rank, beyond the 32-bit row indices of the GPU kernels; lower max_tokens or "
-               "num_topk per rank");
+  POUNCE_CHECK(
+      l.rows_capacity < (int64_t{1} << 31) && l.rows_capacity / kernels::layout::kBlockM < (int64_t{1} << 24),
+      "the dropless worst case needs ", l.rows_capacity,
+      " expert rows per rank, beyond the 32-bit row indices of the GPU kernels; lower max_tokens or "
+      "num_topk per rank");
   POUNCE_CHECK(shape.shared_intermediate % 64 == 0, "shape.shared_intermediate = ", shape.shared_intermediate,
                " must be 0 or a multiple of 64 for the GPU GEMMs");
   POUNCE_CHECK(l.rows_capacity < (int64_t{1} << 31) && shape.max_tokens * shape.num_topk < (int64_t{1} << 31),
@@ -350,8 +352,8 @@ GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup> group, int rank, cons
   POUNCE_CUDA(cudaStreamCreateWithFlags(&ws.comm_stream, cudaStreamNonBlocking));
   ws.events.resize(kOverlapEvents);
   for (cudaEvent_t& event : ws.events) POUNCE_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  POUNCE_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&ws.error_host), sizeof(kernels::layout::DeviceErrorRecord),
-                            cudaHostAllocMapped));
+  POUNCE_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&ws.error_host),
+                            sizeof(kernels::layout::DeviceErrorRecord), cudaHostAllocMapped));
   std::memset(ws.error_host, 0, sizeof(kernels::layout::DeviceErrorRecord));
   POUNCE_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ws.error_device), ws.error_host, 0));
 
@@ -436,8 +438,8 @@ void check_device_errors(GpuWorkspace& workspace) {
   if (code == 0) return;
   std::atomic_thread_fence(std::memory_order_acquire);
   const kernels::layout::DeviceErrorRecord copy{code,          record->wait_id,  record->rank,
-                                       record->peer,  record->expected, record->observed,
-                                       record->token, record->slot};
+                                                record->peer,  record->expected, record->observed,
+                                                record->token, record->slot};
   // Clear for the next call: host record first, then the device claim flag on a private stream. A fused
   // kernel's stage-ring failure leaves its GEMM WaitError in the counter header: read it for the message
   // (the kernel has ended: the record is written last by a failing CTA, and the call synchronised).
@@ -447,8 +449,8 @@ void check_device_errors(GpuWorkspace& workspace) {
     DeviceGuard guard(workspace.device);
     const auto p = workspace.pointers();
     if (copy.wait_id == static_cast<int32_t>(kernels::layout::WaitId::kFusedTaskHandoff)) {
-      POUNCE_CUDA(cudaMemcpyAsync(&gemm_error, p.fused_counters + kernels::layout::kFusedGemmError, sizeof(gemm_error),
-                                  cudaMemcpyDeviceToHost, workspace.side_stream));
+      POUNCE_CUDA(cudaMemcpyAsync(&gemm_error, p.fused_counters + kernels::layout::kFusedGemmError,
+                                  sizeof(gemm_error), cudaMemcpyDeviceToHost, workspace.side_stream));
     }
     POUNCE_CUDA(cudaMemsetAsync(p.error_claim, 0, sizeof(int32_t), workspace.side_stream));
     POUNCE_CUDA(cudaStreamSynchronize(workspace.side_stream));

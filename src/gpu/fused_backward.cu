@@ -64,9 +64,10 @@ int32_t backward_unit_blocks(const GpuWorkspace& workspace, int comm_ctas) {
       1, kernels::layout::ceil_div(workspace.layout.intermediate, kernels::gemm::GemmConfig::BLOCK_N));
   const int64_t compute_ctas = std::max(1, workspace.num_sms - comm_ctas);
   const int64_t minibatch = workspace.config.minibatch_size;
-  const int64_t max_m_blocks = std::max<int64_t>(1, workspace.layout.rows_capacity / kernels::layout::kBlockM);
-  const int64_t blocks =
-      minibatch > 0 ? minibatch / kernels::layout::kBlockM : kernels::layout::ceil_div(compute_ctas, act_grad_n);
+  const int64_t max_m_blocks =
+      std::max<int64_t>(1, workspace.layout.rows_capacity / kernels::layout::kBlockM);
+  const int64_t blocks = minibatch > 0 ? minibatch / kernels::layout::kBlockM
+                                       : kernels::layout::ceil_div(compute_ctas, act_grad_n);
   return static_cast<int32_t>(std::clamp<int64_t>(blocks, 1, max_m_blocks));
 }
 
@@ -157,16 +158,18 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
   // the later launches end at once and the error keeps its detail.
   POUNCE_CUDA(
       cudaMemsetAsync(p.fused_counters, 0, workspace.layout.fused_counter_words * sizeof(uint32_t), stream));
-  static_assert(kernels::layout::kFusedTicket == 0 && kernels::layout::kFusedRole == 1, "ticket and role lead the header");
+  static_assert(kernels::layout::kFusedTicket == 0 && kernels::layout::kFusedRole == 1,
+                "ticket and role lead the header");
   for (size_t i = 0; i < launches.size(); ++i) {
     if (i > 0) {
       POUNCE_CUDA(cudaMemsetAsync(p.fused_counters, 0, 2 * sizeof(uint32_t), stream));
       POUNCE_CUDA(cudaMemsetAsync(
           p.fused_counters + kernels::layout::kFusedHeaderWords, 0,
-          (workspace.layout.fused_counter_words - kernels::layout::kFusedHeaderWords) * sizeof(uint32_t), stream));
+          (workspace.layout.fused_counter_words - kernels::layout::kFusedHeaderWords) * sizeof(uint32_t),
+          stream));
     }
     kernels::fused::fused_backward_kernel<<<workspace.num_sms, kernels::gemm::GemmConfig::kNumThreads,
-                                   kFusedSharedBytes, stream>>>(launches[i]);
+                                            kFusedSharedBytes, stream>>>(launches[i]);
     POUNCE_CUDA(cudaGetLastError());
   }
   launch_context_restore(workspace, args, activation, stream);

@@ -93,7 +93,8 @@ void launch_fused_kernel(GpuWorkspace& workspace, const kernels::fused::FusedFor
   launch_config.stream = stream;
   launch_config.attrs = &cooperative;
   launch_config.numAttrs = 1;
-  const cudaError_t launched = cudaLaunchKernelEx(&launch_config, kernels::fused::fused_forward_kernel<kRing>, params);
+  const cudaError_t launched =
+      cudaLaunchKernelEx(&launch_config, kernels::fused::fused_forward_kernel<kRing>, params);
   if (launched == cudaErrorCooperativeLaunchTooLarge) {
     (void)cudaGetLastError();  // clear it: the call fails here, the workspace stays usable
     POUNCE_CHECK(
@@ -122,9 +123,10 @@ int fused_comm_ctas(const GpuWorkspace& workspace, bool push_combine, int config
 int32_t fused_unit_blocks(const GpuWorkspace& workspace, bool push_combine) {
   const int64_t minibatch = workspace.config.minibatch_size;
   const int64_t heuristic_blocks = push_combine ? kPushUnitBlocks : kDefaultUnitBlocks;
-  const int64_t max_m_blocks = std::max<int64_t>(1, workspace.layout.rows_capacity / kernels::layout::kBlockM);
-  return static_cast<int32_t>(
-      std::clamp<int64_t>(minibatch > 0 ? minibatch / kernels::layout::kBlockM : heuristic_blocks, 1, max_m_blocks));
+  const int64_t max_m_blocks =
+      std::max<int64_t>(1, workspace.layout.rows_capacity / kernels::layout::kBlockM);
+  return static_cast<int32_t>(std::clamp<int64_t>(
+      minibatch > 0 ? minibatch / kernels::layout::kBlockM : heuristic_blocks, 1, max_m_blocks));
 }
 
 void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream,
@@ -193,7 +195,8 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
     // The backward's view of every macrobatch (kernels/sched/macrobatch_plan.cuh; the kernel planned the same
     // bounds in its scan step)
     constexpr int kPlanThreads = kernels::sched::kPlanThreads;
-    kernels::sched::plan_macrobatches_kernel<kPlanThreads><<<workspace.num_sms, kPlanThreads, 0, stream>>>(p, false);
+    kernels::sched::plan_macrobatches_kernel<kPlanThreads>
+        <<<workspace.num_sms, kPlanThreads, 0, stream>>>(p, false);
     POUNCE_CUDA(cudaGetLastError());
   }
   timer.mark("fused");

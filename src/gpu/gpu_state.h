@@ -70,9 +70,9 @@ struct GpuWorkspace {
   Shape shape;
   Config config;
   kernels::layout::WorkspaceLayout layout;
-  void* symmetric = nullptr;                        // ncclMemAlloc (R > 1) or cudaMalloc (R = 1)
-  ncclWindow_t window = nullptr;                    // R > 1 only
-  void* local = nullptr;                            // cudaMalloc
+  void* symmetric = nullptr;                                 // ncclMemAlloc (R > 1) or cudaMalloc (R = 1)
+  ncclWindow_t window = nullptr;                             // R > 1 only
+  void* local = nullptr;                                     // cudaMalloc
   kernels::layout::DeviceErrorRecord* error_host = nullptr;  // cudaHostAlloc(mapped)
   kernels::layout::DeviceErrorRecord* error_device = nullptr;
   cudaStream_t side_stream = nullptr;  // clears the error claim flag; never captured
@@ -99,7 +99,8 @@ kernels::ActivationParams activation_params(const Activation& activation);
 const void* expert_slice(const TensorView& weights, int64_t first_expert);
 // Throws naming `name` unless every non-null tensor of `weights` is 16-byte aligned (TMA needs it).
 void check_weights_aligned(const ExpertWeights& weights, const char* name);
-void launch_barrier(const kernels::layout::WorkspacePointers& p, kernels::layout::WaitId which, cudaStream_t stream);
+void launch_barrier(const kernels::layout::WorkspacePointers& p, kernels::layout::WaitId which,
+                    cudaStream_t stream);
 
 // The parts of a forward both paths share (src/gpu/staged_forward.cu). The prologue checks every argument
 // before it queues anything, then stages x, exchanges the routing (phase barrier) and builds the receive

@@ -127,9 +127,11 @@ inline void report_tile_profile(const kernels::layout::WorkspacePointers& p, con
         if (n == 0) continue;
         char item[96];
         const double from_us = bin == 0 ? 0.0 : (kernels::layout::kProfileFirstWaitBinNs << (bin - 1)) * 1e-3;
-        std::snprintf(item, sizeof(item), " %s%.2f us: %llu (%.2f ms)",
-                      bin == 0 ? "<" : ">=", bin == 0 ? kernels::layout::kProfileFirstWaitBinNs * 1e-3 : from_us, n,
-                      slots[kernels::layout::kProfileWaitBinNs + kernels::layout::kProfileWaitBins * kind + bin] * 1e-6);
+        std::snprintf(
+            item, sizeof(item), " %s%.2f us: %llu (%.2f ms)",
+            bin == 0 ? "<" : ">=", bin == 0 ? kernels::layout::kProfileFirstWaitBinNs * 1e-3 : from_us, n,
+            slots[kernels::layout::kProfileWaitBinNs + kernels::layout::kProfileWaitBins * kind + bin] *
+                1e-6);
         waits += item;
       }
       std::fprintf(

@@ -120,7 +120,8 @@ void launch_forward_replay(GpuWorkspace& workspace, const BackwardArgs& args,
                            const kernels::ActivationParams& activation,
                            const kernels::layout::WorkspacePointers& replay, cudaStream_t stream) {
   const int El = replay.num_local_experts;
-  kernels::dispatch::dispatch_pull_kernel<kCommThreads><<<workspace.num_sms, kCommThreads, 0, stream>>>(replay, 0, El);
+  kernels::dispatch::dispatch_pull_kernel<kCommThreads>
+      <<<workspace.num_sms, kCommThreads, 0, stream>>>(replay, 0, El);
   const kernels::GroupedRows rows{replay.rows_capacity, replay.group_row_offset, El, 0, nullptr,
                                   replay.group_rows};
   kernels::grouped_gate_up(rows, replay.x_rows, args.inputs.routed.gate.data, args.inputs.routed.up.data,
@@ -134,8 +135,8 @@ void launch_context_restore(GpuWorkspace& workspace, const BackwardArgs& args,
   const kernels::layout::WorkspacePointers p = workspace.pointers();
   if (!p.has_ring()) return;
   for (int32_t b = 0; b < p.max_macrobatches; ++b)
-    launch_forward_replay(workspace, args, activation, p.macrobatch(b, kernels::layout::MacrobatchRows::kRestore),
-                          stream);
+    launch_forward_replay(workspace, args, activation,
+                          p.macrobatch(b, kernels::layout::MacrobatchRows::kRestore), stream);
 }
 
 namespace {
@@ -143,15 +144,15 @@ namespace {
 // One macrobatch's routed backward (the whole routed part without a ring) on mb = p.macrobatch(b), with the
 // shared expert's backward in the first one to run.
 void launch_macrobatch_backward(GpuWorkspace& workspace, const BackwardArgs& args,
-                                const BackwardLaunch& launch, const kernels::layout::WorkspacePointers& p, int32_t b,
-                                bool with_shared, StageTimer& timer, cudaStream_t stream) {
+                                const BackwardLaunch& launch, const kernels::layout::WorkspacePointers& p,
+                                int32_t b, bool with_shared, StageTimer& timer, cudaStream_t stream) {
   const kernels::layout::WorkspacePointers mb = p.macrobatch(b);
   const int64_t H = p.hidden, Is = p.shared_intermediate;
   const kernels::ActivationParams& activation = launch.activation;
   // Only the last macrobatch's x, g, u, act rows are resident after the forward: replay the others'.
   if (p.has_ring())
-    launch_forward_replay(workspace, args, activation, p.macrobatch(b, kernels::layout::MacrobatchRows::kReplay),
-                          stream);
+    launch_forward_replay(workspace, args, activation,
+                          p.macrobatch(b, kernels::layout::MacrobatchRows::kReplay), stream);
 
   // 2-4 overlapped (src/gpu/overlap.h): the comm stream pulls chunk c's scaled d_out rows while earlier
   // chunks compute, and pushes chunk c's d_x rows while later chunks compute; the shared expert covers the
@@ -161,8 +162,9 @@ void launch_macrobatch_backward(GpuWorkspace& workspace, const BackwardArgs& arg
   overlap.comm_after_main();
   cudaEvent_t pulled[kMaxChunks];
   for (int c = 0; c < overlap.num_chunks(); ++c) {
-    kernels::reverse_combine::pull_scaled_rows_kernel<kCommThreads><<<overlap.comm_sms(), kCommThreads, 0, comm>>>(
-        mb, overlap.chunk_begin(c), overlap.chunk_begin(c + 1));
+    kernels::reverse_combine::pull_scaled_rows_kernel<kCommThreads>
+        <<<overlap.comm_sms(), kCommThreads, 0, comm>>>(mb, overlap.chunk_begin(c),
+                                                        overlap.chunk_begin(c + 1));
     pulled[c] = overlap.mark(comm);
   }
   POUNCE_CUDA(cudaGetLastError());

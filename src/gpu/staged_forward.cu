@@ -60,7 +60,8 @@ kernels::ActivationParams activation_params(const Activation& activation) {
   return params;
 }
 
-void launch_barrier(const kernels::layout::WorkspacePointers& p, kernels::layout::WaitId which, cudaStream_t stream) {
+void launch_barrier(const kernels::layout::WorkspacePointers& p, kernels::layout::WaitId which,
+                    cudaStream_t stream) {
   if (p.num_ranks == 1) return;
   POUNCE_CHECK(p.num_ranks <= kBarrierThreads, "num_ranks = ", p.num_ranks, " exceeds ", kBarrierThreads);
   kernels::routing::phase_barrier_kernel<kBarrierThreads><<<1, kBarrierThreads, 0, stream>>>(p, which);
@@ -92,7 +93,8 @@ ForwardLaunch launch_forward_prologue(GpuWorkspace& workspace, const ForwardArgs
   const int copy_grid = workspace.num_sms * 4;
 
   // 1. This rank's x into its symmetric buffer (peers pull from it), shared-expert row offsets.
-  kernels::dispatch::stage_x_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(p, args.x.data, num_tokens);
+  kernels::dispatch::stage_x_kernel<kCopyThreads>
+      <<<copy_grid, kCopyThreads, 0, stream>>>(p, args.x.data, num_tokens);
   // 2. Routing exchange: topk_idx (int32) and T into every peer; barrier.
   kernels::routing::routing_exchange_kernel<kCopyThreads>
       <<<copy_grid, kCopyThreads, 0, stream>>>(p, args.topk_idx.data, launch.idx_int64, num_tokens);
@@ -100,10 +102,11 @@ ForwardLaunch launch_forward_prologue(GpuWorkspace& workspace, const ForwardArgs
   launch_barrier(p, kernels::layout::WaitId::kRoutingBarrier, stream);
   timer.mark("barrier");
   // 3. Receive schedule on the device.
-  const dim3 schedule_grid(
-      static_cast<unsigned>(kernels::layout::ceil_div(p.max_chunks, kernels::routing::kScheduleWarpsPerBlock)),
-      static_cast<unsigned>(p.num_ranks));
-  const size_t schedule_smem = kernels::routing::kScheduleWarpsPerBlock * p.num_local_experts * sizeof(int32_t);
+  const dim3 schedule_grid(static_cast<unsigned>(kernels::layout::ceil_div(
+                               p.max_chunks, kernels::routing::kScheduleWarpsPerBlock)),
+                           static_cast<unsigned>(p.num_ranks));
+  const size_t schedule_smem =
+      kernels::routing::kScheduleWarpsPerBlock * p.num_local_experts * sizeof(int32_t);
   kernels::routing::schedule_count_kernel<kernels::routing::kScheduleThreads>
       <<<schedule_grid, kernels::routing::kScheduleThreads, schedule_smem, stream>>>(p);
   kernels::routing::schedule_scan_kernel<kScanThreads><<<1, kScanThreads, 0, stream>>>(p);
@@ -111,7 +114,8 @@ ForwardLaunch launch_forward_prologue(GpuWorkspace& workspace, const ForwardArgs
       <<<schedule_grid, kernels::routing::kScheduleThreads, schedule_smem, stream>>>(p);
   if (p.has_ring()) {
     constexpr int kPlanThreads = kernels::sched::kPlanThreads;
-    kernels::sched::plan_macrobatches_kernel<kPlanThreads><<<workspace.num_sms, kPlanThreads, 0, stream>>>(p, true);
+    kernels::sched::plan_macrobatches_kernel<kPlanThreads>
+        <<<workspace.num_sms, kPlanThreads, 0, stream>>>(p, true);
   }
   POUNCE_CUDA(cudaGetLastError());
   timer.mark("schedule");
@@ -142,8 +146,8 @@ void launch_weighted_sum(GpuWorkspace& workspace, const ForwardArgs& args, const
 // One macrobatch's routed work (the whole routed part without a ring), on `mb` = p.macrobatch(b), and with
 // the shared expert in macrobatch 0.
 void launch_macrobatch_forward(GpuWorkspace& workspace, const ForwardArgs& args, const ForwardLaunch& launch,
-                               const kernels::layout::WorkspacePointers& mb, bool with_shared, StageTimer& timer,
-                               cudaStream_t stream) {
+                               const kernels::layout::WorkspacePointers& mb, bool with_shared,
+                               StageTimer& timer, cudaStream_t stream) {
   const int64_t H = mb.hidden, I = mb.intermediate, Is = mb.shared_intermediate;
   const kernels::ActivationParams& activation = launch.activation;
   // 4-7 overlapped (src/gpu/overlap.h): the comm stream pulls chunk c's rows while the GEMMs of chunk c - 1

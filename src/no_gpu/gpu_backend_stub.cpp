@@ -32,7 +32,8 @@ std::vector<std::shared_ptr<GpuGroup>> create_local_groups(int) {
 std::shared_ptr<GpuGroup> create_group_from_env(int*, int*) {
   no_cuda("Group::create_nccl_from_env");
 }
-GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup>, int, const Shape&, const Config&, const Environment&) {
+GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup>, int, const Shape&, const Config&,
+                                 const Environment&) {
   no_cuda("a GPU workspace");
 }
 void forward(GpuWorkspace&, const ForwardArgs&, void*) {

@@ -120,8 +120,8 @@ void check_shape(const BackwardTaskShape& shape) {
 
 // Data extents {shared m, routed m, unit, shared d_a n, shared d_x n, d_a n, d_x n}; weights for El
 // experts and a shared expert (or none), H and I in 64-column units of the test.
-BackwardTaskShape make_shape(pounce::kernels::sched::ForwardTaskShape data, int32_t El, bool shared, int32_t H_blocks,
-                             int32_t I_blocks) {
+BackwardTaskShape make_shape(pounce::kernels::sched::ForwardTaskShape data, int32_t El, bool shared,
+                             int32_t H_blocks, int32_t I_blocks) {
   BackwardTaskShape shape;
   shape.data = data;
   auto set = [&](WeightGradKind kind, int32_t groups, int32_t m_blocks, int32_t n_blocks) {

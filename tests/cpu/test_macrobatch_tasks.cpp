@@ -39,8 +39,10 @@ std::vector<int32_t> plan_bounds(const std::vector<int32_t>& rows_per_expert, in
   for (int32_t rows : rows_per_expert)
     offsets.push_back(offsets.back() + (rows + kBlockM - 1) / kBlockM * kBlockM);
   const int32_t groups = static_cast<int32_t>(rows_per_expert.size());
-  std::vector<int32_t> bounds(pounce::kernels::sched::max_macrobatches(groups, offsets.back(), ring_rows) + 1);
-  const int32_t count = pounce::kernels::sched::plan_macrobatches(offsets.data(), groups, ring_rows, bounds.data());
+  std::vector<int32_t> bounds(pounce::kernels::sched::max_macrobatches(groups, offsets.back(), ring_rows) +
+                              1);
+  const int32_t count =
+      pounce::kernels::sched::plan_macrobatches(offsets.data(), groups, ring_rows, bounds.data());
   bounds.resize(count + 1);
   return bounds;
 }
