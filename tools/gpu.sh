@@ -284,7 +284,7 @@ job_ncu() {  # [fused [PRESET...] | source [PRESET [KERNEL]] | gemm [CASE...]]
           csvs+=("$out/ncu_${preset}_${kernel%_kernel}.csv")
         done
       done
-      python3 tools/ncu_top.py metrics "${csvs[@]}"
+      python3 tools/ncu_top.py metrics --only "$ncu_metrics" "${csvs[@]}"
       ;;
     source)
       need_binary "$build/pounce"
@@ -303,7 +303,7 @@ job_ncu() {  # [fused [PRESET...] | source [PRESET [KERNEL]] | gemm [CASE...]]
           "$build/bench/pounce_gemm_bench" "${cases[$i]}"
         csvs+=("$out/ncu_gemm_$i.csv")
       done
-      python3 tools/ncu_top.py metrics "${csvs[@]}"
+      python3 tools/ncu_top.py metrics --only "$ncu_metrics" "${csvs[@]}"
       ;;
     *) die "ncu: '$what' is none of fused, source, gemm" ;;
   esac

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Reads Nsight Compute's CSV exports (tools/gpu.sh ncu writes them) and prints what they say.
 
-  ncu_top.py metrics RAW.csv...            `ncu -i R --page raw --csv`: one column per profiled kernel launch,
-                                           one row per metric (value and unit)
+  ncu_top.py metrics [--only M1,M2,...] RAW.csv...
+                                           `ncu -i R --page raw --csv`: one column per profiled kernel launch,
+                                           one row per metric (value and unit): the metrics named by --only
+                                           (those given to ncu --metrics), else every one of the page
   ncu_top.py source SOURCE.csv [TOP [REGION...]]
                                            `ncu -i R --page source --csv --print-source sass`: the samples per
                                            opcode, the TOP instructions with the most warp-stall samples in
@@ -36,7 +38,7 @@ def number(text):
 
 # ---- metrics: the raw page ------------------------------------------------------------------------------
 
-def cmd_metrics(paths):
+def cmd_metrics(paths, only=()):
     columns, labels, metrics, units = [], [], [], {}
     for path in paths:
         rows = csv_rows(path, lambda r: r[0].strip() == "ID")
@@ -52,9 +54,9 @@ def cmd_metrics(paths):
         for row in body:
             values = dict(zip(header, row))
             kernel = row[name_col] if name_col is not None else "?"
-            labels.append(f"{Path(path).stem}: {kernel.split('(')[0][:60]}")
+            labels.append(f"{Path(path).stem}: {kernel.removeprefix('void ').split('(')[0][:60]}")
             columns.append(values)
-            metrics += [h for h in header if "__" in h and h not in metrics]
+            metrics += [h for h in header if "__" in h and h not in metrics and (not only or h in only)]
     for i, label in enumerate(labels):
         print(f"[{i}] {label}")
     width = max((len(m) for m in metrics), default=0)
@@ -129,6 +131,8 @@ def cmd_source(path, top=60, regions=()):
 
 
 def main(argv):
+    if len(argv) >= 5 and argv[1:3] == ["metrics", "--only"]:
+        return cmd_metrics(argv[4:], set(argv[3].split(",")))
     if len(argv) >= 3 and argv[1] == "metrics":
         return cmd_metrics(argv[2:])
     if len(argv) >= 3 and argv[1] == "source":
