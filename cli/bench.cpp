@@ -1,11 +1,14 @@
 #include "cli/bench.h"
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <tuple>
 
 #include "pounce/error.h"
 #include "cli/parallel.h"
+#include "cli/report.h"
 
 namespace pounce::cli {
 namespace {
@@ -21,6 +24,12 @@ std::string join(const std::vector<std::string>& parts) {
   std::string out;
   for (const std::string& part : parts) out += (out.empty() ? "" : ",") + part;
   return out;
+}
+
+// A record with a time: not one that stands for a failed or skipped measurement.
+bool is_measured(const json& record) {
+  const auto ms = record.find("median_ms");
+  return ms != record.end() && ms->is_number();
 }
 
 // A JSON number, or null for "none".
@@ -295,6 +304,85 @@ void apply_speedups(json& records) {
       record[speedup] = found != baseline_ms.end() && own > 0 ? json(found->second / own) : json(nullptr);
     }
   }
+}
+
+// ---- where the records go ------------------------------------------------------------------------------
+
+bool is_record_dir(const std::string& out) {
+  return !out.empty() && (out.back() == '/' || std::filesystem::is_directory(out));
+}
+
+std::string default_out_path(const std::string& name, const std::string& date, const char* tmpdir) {
+  std::string stem = name;
+  if (stem.empty()) {
+    stem = "pounce-bench-" + date;
+    for (char& c : stem) c = c == ':' ? '-' : c;
+  }
+  const std::string dir = tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp";
+  return (std::filesystem::path(dir) / (stem + ".json")).string();
+}
+
+RecordKey record_key(const json& record) {
+  return RecordKey{record.value("impl", ""),
+                   record.value("pass", ""),
+                   record.value("preset", ""),
+                   record.value("ranks", int64_t{0}),
+                   record.value("tokens_per_rank", int64_t{0}),
+                   record.value("precision", std::string(to_string(Precision::kBF16)))};
+}
+
+std::string results_file_name(int64_t ranks, const std::string& precision) {
+  return "ep" + std::to_string(ranks) + "_" + precision + ".json";
+}
+
+json merge_records(const json& recorded, const json& run) {
+  std::map<RecordKey, json> latest;
+  for (const json& record : recorded) latest[record_key(record)] = record;
+  for (const json& record : run)
+    if (is_measured(record)) latest[record_key(record)] = record;
+  auto pass_rank = [](const std::string& pass) {
+    for (BenchPass p : {BenchPass::kForward, BenchPass::kBackward, BenchPass::kForwardBackward})
+      if (pass == to_string(p)) return static_cast<int>(p);
+    return 3;
+  };
+  std::vector<std::pair<RecordKey, json>> sorted(latest.begin(), latest.end());
+  std::stable_sort(sorted.begin(), sorted.end(), [&](const auto& a, const auto& b) {
+    const RecordKey &x = a.first, &y = b.first;
+    return std::tuple(x.preset, x.tokens_per_rank, pass_rank(x.pass), x.impl, x.ranks, x.precision) <
+           std::tuple(y.preset, y.tokens_per_rank, pass_rank(y.pass), y.impl, y.ranks, y.precision);
+  });
+  json out = json::array();
+  for (auto& [key, record] : sorted) out.push_back(std::move(record));
+  return out;
+}
+
+std::vector<std::string> record_results(const std::string& dir, const json& run) {
+  std::map<std::string, json> by_file;  // file name -> the run's records that go there
+  for (const json& record : run) {
+    if (!is_measured(record)) continue;
+    const RecordKey key = record_key(record);
+    json& records = by_file[results_file_name(key.ranks, key.precision)];
+    if (records.is_null()) records = json::array();
+    records.push_back(record);
+  }
+  std::filesystem::create_directories(dir);
+  std::vector<std::string> written;
+  for (const auto& [name, records] : by_file) {
+    const std::string path = (std::filesystem::path(dir) / name).string();
+    json recorded = json::array();
+    if (std::filesystem::exists(path)) {
+      std::ifstream file(path);
+      try {
+        recorded = json::parse(file);
+      } catch (const json::exception& error) {
+        detail::fail("cannot read the records in '", path, "': ", error.what());
+      }
+      POUNCE_CHECK(recorded.is_array(), "'", path, "' is not a JSON list of records; move it away");
+    }
+    write_json(merge_records(recorded, records), path);
+    written.push_back(path);
+  }
+  return written;
 }
 
 // ---- the baseline --------------------------------------------------------------------------------------

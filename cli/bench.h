@@ -1,11 +1,13 @@
 // The method of `pounce bench` (docs/design.md §7), apart from the command that drives it: which passes are
 // timed, how many input sets rotate so that L2 holds none of them, the useful flops and crossing bytes a
-// pass counts, the records and their same-run speed-ups, the baseline's command line. All of it but
-// measure() is pure and unit-tested without a GPU (tests/cpu/test_cli_bench.cpp).
+// pass counts, the records and their same-run speed-ups, where the records go (the latest per configuration
+// when recorded), the baseline's command line. All of it is unit-tested without a GPU
+// (tests/cpu/test_cli_bench.cpp); all but measure() and record_results() is pure.
 #pragma once
 
 #include <nlohmann/json.hpp>
 
+#include <compare>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -29,8 +31,8 @@ const char* to_string(BenchPass pass);  // "forward" | "backward" | "forward_bac
 std::vector<BenchPass> parse_passes(const std::vector<std::string>& names);
 bool needs_backward(const std::vector<BenchPass>& passes);
 
-// Useful work of `pass` (docs/design.md §7): the forward's flops once, backward twice, forward + backward three
-// times. No padding rows, no recompute.
+// Useful work of `pass` (docs/design.md §7): the forward's flops once, backward twice, forward + backward
+// three times. No padding rows, no recompute.
 double pass_flops(BenchPass pass, double forward_flops);
 
 // A model preset by name, or a custom shape "custom:H:I:E:k[:Is]" (SwiGLU), named by that string.
@@ -113,6 +115,42 @@ nlohmann::json make_record(const RecordContext& context, const Measurement& meas
 // of the same preset, pass, ranks and tokens per rank; 1 for baseline records; null without a match.
 // late_speedup_vs_baseline likewise from late_median_ms, the median of the later half of the timed runs.
 void apply_speedups(nlohmann::json& records);
+
+// ---- where the records go ------------------------------------------------------------------------------
+
+// A run's records go to one file outside the source tree (default_out_path), unless `--out` names a folder:
+// then they are recorded there, the latest per configuration (record_results). bench/results/ is the
+// repository's record; README.md's table is written from it (bench/results_table.py).
+
+// `--out` asks to record when it names an existing folder or ends with '/'.
+bool is_record_dir(const std::string& out);
+
+// Where a run's records go without `--out`: <tmpdir>/<name>.json, tmpdir being $TMPDIR or /tmp when that is
+// unset or empty, name "pounce-bench-<date>" (':' -> '-') when empty.
+std::string default_out_path(const std::string& name, const std::string& date, const char* tmpdir);
+
+// The configuration a record measures: impl, pass, preset (or custom spec), ranks, tokens per rank,
+// precision (bf16 when absent). Recording replaces the records of the same configuration.
+struct RecordKey {
+  std::string impl, pass, preset;
+  int64_t ranks = 0, tokens_per_rank = 0;
+  std::string precision;
+  auto operator<=>(const RecordKey&) const = default;
+};
+RecordKey record_key(const nlohmann::json& record);
+
+// The file of a record folder that holds the records of `ranks` and `precision`: "ep<R>_<precision>.json".
+std::string results_file_name(int64_t ranks, const std::string& precision);
+
+// `recorded` with each record of `run` in place of the record of its configuration, the others kept; the
+// last of `run` wins where it repeats one. Sorted by preset, tokens per rank, pass (forward, backward,
+// forward_backward), impl, so that a file's diff shows only what was measured again. Records that were
+// not measured (median_ms not a number) are not taken from `run`: they would replace a measurement by none.
+nlohmann::json merge_records(const nlohmann::json& recorded, const nlohmann::json& run);
+
+// Merges `run`'s measured records into `dir`'s results files (one per ranks x precision, created when
+// missing) and returns the files written. Throws pounce::Error when a file there is not a JSON list.
+std::vector<std::string> record_results(const std::string& dir, const nlohmann::json& run);
 
 // ---- the baseline (bench/baselines/torch_moe.py under torchrun) ----------------------------------------
 

@@ -1,7 +1,9 @@
 // `pounce bench`: presets x tokens per rank x impls on every visible GPU, timed through the public API by
 // the method of docs/design.md §7 (cli/bench.h), with the PyTorch baseline (bench/baselines/torch_moe.py
 // under torchrun) measured in the same run on the same GPUs, after ours so the two never share them.
-// Writes bench/results/<name>.json: a list of records with the keys of docs/design.md §7.
+// Writes a list of records with the keys of docs/design.md §7 to $TMPDIR/<name>.json or --out FILE; with
+// --out DIR/ (bench/results/ for the repository's record) merges them into DIR's results files instead,
+// the latest record per configuration (cli/bench.h).
 #include <unistd.h>
 
 #include <cstdlib>
@@ -54,8 +56,8 @@ int64_t l2_bytes() {
   return kAssumedL2Bytes;
 }
 
-// NVLink SHARP / multicast stay off (docs/design.md §3) in our NCCL and in the baseline's processes, unless the
-// caller chose otherwise; the baseline's records name our commit where the tree has no git metadata.
+// NVLink SHARP / multicast stay off (docs/design.md §3) in our NCCL and in the baseline's processes, unless
+// the caller chose otherwise; the baseline's records name our commit where the tree has no git metadata.
 void set_default_environment(const std::string& commit) {
   setenv("NCCL_NVLS_ENABLE", "0", 0);
   setenv("NVSHMEM_DISABLE_NVLS", "1", 0);
@@ -170,6 +172,10 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
                machine.num_gpus, " are visible");
   POUNCE_CHECK(options.iters >= 1 && options.warmup >= 0, "--iters must be >= 1 and --warmup >= 0");
   POUNCE_CHECK(options.input_sets >= 0, "--input-sets must be >= 0 (0 = enough to exceed twice the L2)");
+  const bool record = is_record_dir(options.out);
+  POUNCE_CHECK(on_gpu || !record, "--out ", options.out,
+               " records into a folder of benchmark records, and the CPU reference backend's timings are "
+               "not benchmarks; write them to a file (--out FILE.json)");
   // The smallest ring one expert's rows fit (src/config.cpp): ranks x tokens, padded to 128.
   auto smallest_ring = [R](int64_t tokens) { return (R * tokens + kBlockM - 1) / kBlockM * kBlockM; };
   POUNCE_CHECK(options.macrobatch >= -1, "--macrobatch ", options.macrobatch,
@@ -192,12 +198,8 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
   context.commit = build_info().commit;
   context.command = command_line;
   context.date = utc_now_iso();
-  std::string name = options.name;
-  if (name.empty()) {
-    name = "pounce-" + context.date;
-    for (char& c : name) c = c == ':' ? '-' : c;
-  }
-  const std::string out_path = options.out.empty() ? "bench/results/" + name + ".json" : options.out;
+  const std::string out_path =
+      options.out.empty() ? default_out_path(options.name, context.date, std::getenv("TMPDIR")) : options.out;
   const int64_t l2 = on_gpu ? l2_bytes() : kAssumedL2Bytes;
   const std::string rotation =
       options.input_sets > 0
@@ -306,11 +308,32 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
   apply_speedups(records);
 
   print_table(std::cout, records);
-  const std::filesystem::path parent = std::filesystem::path(out_path).parent_path();
-  if (!parent.empty()) std::filesystem::create_directories(parent);
-  write_json(records, out_path);
-  std::cout << "wrote " << records.size() << " records to " << out_path << "\n";
-  write_chart(options, out_path);
+  if (record) {
+    std::vector<std::string> files;
+    try {
+      files = record_results(out_path, records);
+    } catch (const Error&) {  // keep what was measured, then say why it was not recorded
+      const std::string kept = default_out_path(options.name, context.date, std::getenv("TMPDIR"));
+      write_json(records, kept);
+      std::cerr << "not recorded; the run's records are in " << kept << "\n";
+      throw;
+    }
+    for (const std::string& file : files)
+      std::cout << "recorded into " << file << " (the latest record per configuration)\n";
+    for (const json& r : records)
+      if (!r.value("median_ms", json()).is_number())
+        std::cerr << "not recorded (not measured): " << r.value("impl", "") << " " << r.value("pass", "")
+                  << " " << r.value("preset", "") << " " << r.value("tokens_per_rank", int64_t{0})
+                  << " tokens/rank\n";
+    std::cout << "README.md's table is written from bench/results/: python3 bench/results_table.py --write "
+                 "README.md\n";
+  } else {
+    const std::filesystem::path parent = std::filesystem::path(out_path).parent_path();
+    if (!parent.empty()) std::filesystem::create_directories(parent);
+    write_json(records, out_path);
+    std::cout << "wrote " << records.size() << " records to " << out_path << "\n";
+    write_chart(options, out_path);
+  }
   return failures > 0 ? 2 : 0;
 }
 

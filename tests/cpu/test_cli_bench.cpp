@@ -1,10 +1,15 @@
 // `pounce bench`'s method (cli/bench.h) and the runner's rotation and rank alignment
-// (cli/runner.h), without a GPU: passes, useful flops, input sets, records, same-run speed-ups, the
-// baseline's command line, and a whole measurement on the CPU reference backend.
+// (cli/runner.h), without a GPU: passes, useful flops, input sets, records, same-run speed-ups, where the
+// records go and how recording merges them, the baseline's command line, and a whole measurement on the CPU
+// reference backend.
 #include <gtest/gtest.h>
+
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <set>
 #include <thread>
 
@@ -56,8 +61,8 @@ TEST(CliBench, ParsesPasses) {
 }
 
 TEST(CliBench, CountsUsefulFlopsAsDesignSection7) {
-  // The stored staged forward records (bench/results/staged_forward_ep2_2026-11-29.json): EP2, 8192 tokens
-  // per rank, k distinct experts per token, so pairs = R * T * k.
+  // Staged forward records measured on 2 x H200 (2026-11-29): EP2, 8192 tokens per rank, k distinct experts
+  // per token, so pairs = R * T * k.
   const double qwen3 = forward_flops_per_rank(2 * 8192 * 8, 2 * 8192, 2048, 768, 0, 2);
   EXPECT_DOUBLE_EQ(qwen3, 6.0 * 8192 * 8 * 2048 * 768);
   EXPECT_NEAR(tflops(qwen3, 2.03057599067688), 304.58120920549004, 1e-9);
@@ -280,6 +285,98 @@ TEST(CliBench, BaselineCommandAsksForTheSamePassesAndRotation) {
         "--warmup 2 --iters 10 --sets 0 ", "--json '/tmp/x.json'"})
     EXPECT_NE(command.find(part), std::string::npos) << part << " not in: " << command;
   EXPECT_EQ(shell_quote("it's"), "'it'\\''s'");
+}
+
+TEST(CliBench, WritesOutsideTheSourceTreeUnlessAskedToRecord) {
+  EXPECT_EQ(default_out_path("", "2026-11-30T13:07:30Z", "/scratch"),
+            "/scratch/pounce-bench-2026-11-30T13-07-30Z.json");
+  EXPECT_EQ(default_out_path("closing", "2026-11-30T13:07:30Z", nullptr), "/tmp/closing.json");
+  EXPECT_EQ(default_out_path("closing", "", ""), "/tmp/closing.json") << "an empty TMPDIR is unset";
+  EXPECT_FALSE(is_record_dir(""));
+  EXPECT_FALSE(is_record_dir("/tmp/closing.json"));
+  EXPECT_TRUE(is_record_dir("bench/results/")) << "a trailing '/' asks for a folder, existing or not";
+  EXPECT_TRUE(is_record_dir(std::filesystem::temp_directory_path().string()));
+  EXPECT_EQ(results_file_name(2, "bf16"), "ep2_bf16.json");
+}
+
+json record_of(const std::string& impl, const std::string& pass, const std::string& preset, int64_t tokens,
+               json median_ms, const std::string& date, int64_t ranks = 2) {
+  return json{{"impl", impl},
+              {"pass", pass},
+              {"preset", preset},
+              {"ranks", ranks},
+              {"tokens_per_rank", tokens},
+              {"precision", "bf16"},
+              {"median_ms", median_ms},
+              {"date", date}};
+}
+
+TEST(CliBench, RecordingKeepsTheLatestRecordPerConfiguration) {
+  const json recorded = {
+      record_of("fused", "forward_backward", "qwen3-30b-a3b", 8192, 4.2, "old"),
+      record_of("fused", "forward", "qwen3-30b-a3b", 8192, 1.5, "old"),
+      record_of("baseline", "forward", "qwen3-30b-a3b", 8192, 4.9, "old"),
+      record_of("fused", "forward", "qwen3-30b-a3b", 16384, 2.9, "old"),
+      record_of("staged", "forward", "deepseek-v3", 8192, 14.0, "old"),
+  };
+  json fp8 = record_of("fused", "forward", "qwen3-30b-a3b", 8192, 1.1, "new");
+  fp8["precision"] = "fp8";
+  const json run = {
+      record_of("fused", "forward", "qwen3-30b-a3b", 8192, 1.4, "new"),
+      record_of("baseline", "forward", "qwen3-30b-a3b", 8192, 5.0, "new"),
+      record_of("fused", "forward_backward", "qwen3-30b-a3b", 8192, nullptr, "new"),  // failed: kept old
+      record_of("fused", "forward", "custom:256:128:8:2", 8192, 0.1, "new"),
+      fp8,
+  };
+  const json merged = merge_records(recorded, run);
+  std::vector<std::string> order;
+  for (const json& r : merged)
+    order.push_back(r["preset"].get<std::string>() + " " + std::to_string(r["tokens_per_rank"].get<int>()) +
+                    " " + r["pass"].get<std::string>() + " " + r["impl"].get<std::string>() + " " +
+                    r["precision"].get<std::string>() + " " + r["date"].get<std::string>());
+  EXPECT_EQ(order, (std::vector<std::string>{
+                       "custom:256:128:8:2 8192 forward fused bf16 new",
+                       "deepseek-v3 8192 forward staged bf16 old",
+                       "qwen3-30b-a3b 8192 forward baseline bf16 new",
+                       "qwen3-30b-a3b 8192 forward fused bf16 new",
+                       "qwen3-30b-a3b 8192 forward fused fp8 new",
+                       "qwen3-30b-a3b 8192 forward_backward fused bf16 old",
+                       "qwen3-30b-a3b 16384 forward fused bf16 old",
+                   }));
+  EXPECT_EQ(merge_records(merged, run), merged) << "recording the same run again changes nothing";
+
+  json no_precision = record_of("fused", "forward", "qwen3-30b-a3b", 8192, 1.3, "newer");
+  no_precision.erase("precision");
+  EXPECT_EQ(record_key(no_precision), record_key(run[0])) << "records before FP8 are bf16";
+  const json replaced = merge_records(merged, json{no_precision});
+  EXPECT_EQ(replaced.size(), merged.size());
+  EXPECT_EQ(replaced[3]["date"], "newer");
+}
+
+TEST(CliBench, RecordsOneFilePerRanksAndPrecision) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("pounce_record_test_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const json first = {record_of("fused", "forward", "qwen3-30b-a3b", 8192, 1.5, "old"),
+                      record_of("fused", "forward", "qwen3-30b-a3b", 8192, 2.5, "old", 1)};
+  EXPECT_EQ(record_results(dir.string() + "/", first),
+            (std::vector<std::string>{(dir / "ep1_bf16.json").string(), (dir / "ep2_bf16.json").string()}));
+  const json second = {record_of("fused", "forward", "qwen3-30b-a3b", 8192, 1.4, "new"),
+                       record_of("fused", "forward", "deepseek-v3", 8192, nullptr, "new", 4)};
+  EXPECT_EQ(record_results(dir.string(), second),
+            (std::vector<std::string>{(dir / "ep2_bf16.json").string()}))
+      << "no file for a record that was not measured";
+  auto read = [](const std::filesystem::path& path) {
+    std::ifstream file(path);
+    return json::parse(file);
+  };
+  EXPECT_EQ(read(dir / "ep2_bf16.json"), json({second[0]}));
+  EXPECT_EQ(read(dir / "ep1_bf16.json"), json({first[1]}));
+  EXPECT_FALSE(std::filesystem::exists(dir / "ep4_bf16.json"));
+
+  std::ofstream(dir / "ep2_bf16.json") << "{\"not\": \"a list\"}";
+  EXPECT_TRUE(throws_with([&] { record_results(dir.string(), second); }, "is not a JSON list of records"));
+  std::filesystem::remove_all(dir);
 }
 
 // A rank that records which input set each run used, checks that no rank's timed call starts before every
