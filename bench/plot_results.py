@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Chart `pounce bench` results (bench/results/*.json) as a PNG.
+"""Chart `pounce bench` records (bench/results/ep<R>_<precision>.json, or a run's own file) as a PNG.
 
 Throughput (TFLOP/s per GPU, useful work as docs/design.md §7 counts it) against tokens per rank on a
 log2 axis, one line per (impl, preset, pass): Pounce solid, the PyTorch baseline of the same run dashed,
 each Pounce point labelled with its speed-up over that baseline. When every line would be a single
 point (one token count), it draws grouped bars per (preset, pass) instead.
 
-  python3 bench/plot_results.py bench/results/bench_ep2.json -o bench/results/bench_ep2.png
+  python3 bench/plot_results.py bench/results/ep2_bf16.json -o ep2_bf16.png
+  python3 bench/plot_results.py bench/results/ep2_bf16.json --impl fused,baseline --tokens 8192 -o ep2.png
   python3 bench/plot_results.py a.json b.json --preset qwen3-30b-a3b --pass forward,forward_backward -o q.png
 
 Several files may be given; when two records measure the same (impl, preset, pass, ranks, tokens,
@@ -163,7 +164,7 @@ def plot_bars(ax, series):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("results", nargs="+", help="bench/results/*.json files")
+    p.add_argument("results", nargs="+", help="results files (JSON lists of records)")
     p.add_argument("-o", "--out", required=True, help="the PNG to write")
     p.add_argument("--preset", default="", help="comma list of presets to keep (default: all)")
     p.add_argument("--pass", dest="passes", default="", help="comma list of passes to keep (default: all)")
