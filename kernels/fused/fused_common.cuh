@@ -45,42 +45,34 @@ struct GemmTag {
   static constexpr kernels::gemm::GemmKind value = kKind;
 };
 
+// The counters of one launch, at the places layout::FusedCounterLayout gives them.
 struct FusedCounters {
   uint32_t* base;
-  int64_t max_m_blocks, token_blocks, max_macrobatches;
+  layout::FusedCounterLayout at;
   __device__ uint32_t* ticket() const { return base + layout::kFusedTicket; }
   __device__ uint32_t* role() const { return base + layout::kFusedRole; }
   __device__ uint32_t* abort() const { return base + layout::kFusedAbort; }
-  __device__ uint32_t* rows_ready(int32_t j) const { return base + layout::kFusedHeaderWords + j; }
-  __device__ uint32_t* rows_done(int32_t j) const {
-    return base + layout::kFusedHeaderWords + max_m_blocks + j;
-  }
+  __device__ uint32_t* rows_ready(int32_t j) const { return base + at.rows_ready() + j; }
+  __device__ uint32_t* rows_done(int32_t j) const { return base + at.rows_done() + j; }
   __device__ uint32_t* first_done(bool shared, int32_t m_block) const {
-    return base + layout::kFusedHeaderWords + 2 * max_m_blocks + (shared ? 0 : token_blocks) + m_block;
+    return base + at.first_done() + (shared ? 0 : at.token_blocks) + m_block;
   }
   // The fused backward's replay of a macrobatch's forward rows: x rows of unit j pulled, gate/up of an
   // m-block.
-  __device__ uint32_t* replay_rows_ready(int32_t j) const {
-    return base + layout::kFusedHeaderWords + 3 * max_m_blocks + token_blocks + j;
-  }
-  __device__ uint32_t* replay_done(int32_t m_block) const {
-    return base + layout::kFusedHeaderWords + 4 * max_m_blocks + token_blocks + m_block;
-  }
+  __device__ uint32_t* replay_rows_ready(int32_t j) const { return base + at.replay_rows_ready() + j; }
+  __device__ uint32_t* replay_done(int32_t m_block) const { return base + at.replay_done() + m_block; }
   // The fused forward over a macrobatch ring: macrobatch b's ring rows may be overwritten (every down tile
   // stored and, with the push combine, every row pushed).
-  __device__ uint32_t* ring_free(int32_t b) const {
-    return base + layout::kFusedHeaderWords + 5 * max_m_blocks + token_blocks + b;
-  }
+  __device__ uint32_t* ring_free(int32_t b) const { return base + at.ring_free() + b; }
   // The fused backward: every routed d_a tile stored, +1 per consumer warpgroup (one check for all of them
   // once the weight-gradient tiles start, where the per-m-block counts take a round trip each).
-  __device__ uint32_t* routed_first_done_total() const {
-    return base + layout::kFusedHeaderWords + 5 * max_m_blocks + token_blocks + max_macrobatches;
-  }
+  __device__ uint32_t* routed_first_done_total() const { return base + at.routed_first_done_total(); }
 };
 
 __device__ __forceinline__ FusedCounters counters_of(const layout::WorkspacePointers& ws) {
-  return {ws.fused_counters, ws.rows_capacity / GemmConfig::BLOCK_M, ws.token_capacity / GemmConfig::BLOCK_M,
-          ws.max_macrobatches};
+  return {
+      ws.fused_counters,
+      {ws.rows_capacity / GemmConfig::BLOCK_M, ws.token_capacity / GemmConfig::BLOCK_M, ws.max_macrobatches}};
 }
 
 // Per-CTA handoff state beside the GEMM's stage ring: the producer thread takes a ticket, waits for the

@@ -8,8 +8,8 @@
 // Why: this epilogue loads the forward's g and u and evaluates the activation's derivative, about 30
 // instructions per element, with the tensor cores idle in the cooperative kernel: 447 useful TFLOP/s on
 // gpt-oss-120b against 725 with the epilogue skipped, 583 against 770 on deepseek-v3
-// (bench/results/epilogue_h200_2026-11-30.txt). Here one warpgroup's epilogue runs while the other
-// multiplies. The price, as for the weight gradients (weight_grad_pingpong.cuh): a 128 x 128 tile loads
+// (docs/experiments/010-epilogues-through-shared-memory.md). Here one warpgroup's epilogue runs while the
+// other multiplies. The price, as for the weight gradients (weight_grad_pingpong.cuh): a 128 x 128 tile loads
 // 32 KB per K block for 2.1 MFLOP instead of 48 KB for 4.2.
 //
 // Roles as in weight_grad_pingpong.cuh: warpgroup 0's first thread fills a ring of PingPongConfig::kStages

@@ -123,8 +123,8 @@ struct OutputMaps {
 // How a kind's standalone kernel uses its shared memory: `stages` of the ring, then `chunks` store chunks per
 // consumer warpgroup (tma_store.cuh; 0 = per-lane global stores), laid out right after those stages (in the
 // ring's unused last stage, or past the end of SharedStorage). Chosen per kind on H200 from
-// bench/results/epilogue_h200_2026-11-30.txt (see docs/design.md "Epilogues"). The fused kernels keep every
-// stage and store per lane: other CTAs of the same launch read their outputs.
+// docs/experiments/010-epilogues-through-shared-memory.md (see docs/design.md "Epilogues"). The fused kernels
+// keep every stage and store per lane: other CTAs of the same launch read their outputs.
 struct EpilogueLayout {
   int stages;
   int chunks;

@@ -70,7 +70,7 @@ void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate,
 // `schedule`: TileSchedule's tiles (the same values bit for bit); activation_backward_schedule_for picks one.
 // Ping-pong hides the epilogue (the forward's g and u loaded, the derivative evaluated) behind the other
 // warpgroup's mainloop, at a third more bytes per FLOP. Measured on H200 (both launches interleaved,
-// bench/results/activation_backward_pingpong_h200_2026-11-30.txt), ping-pong against cooperative:
+// docs/experiments/019-activation-backward-pingpong.md), ping-pong against cooperative:
 // gpt-oss-120b (GPT-OSS activation, k = 2880) +10 % balanced, +5 % routed; SwiGLU presets -4 %
 // (qwen3-30b-a3b, k = 2048) and -6..-11 % (deepseek-v3, k = 7168). So the GPT-OSS activation's costlier
 // derivative decides.
@@ -95,7 +95,7 @@ enum class WeightGradMode : int32_t { kStoreF32 = 0, kAccumulateF32 = 1, kStoreB
 // bf16. A rows are a_ld elements apart, B rows b_ld. A group without rows gets zeros (or nothing added).
 // m and n multiples of 64; rows.group_row_offset multiples of 128.
 // `schedule`: how the two consumer warpgroups share the work (TileSchedule); the sums are the same bit for
-// bit. Measured on H200 (bench/results/wgrad_pingpong_h200_2026-11-30.txt): with 512 rows per group (8 K
+// bit. Measured on H200 (docs/experiments/015-weight-grad-pingpong.md): with 512 rows per group (8 K
 // blocks per tile) ping-pong is 1-9 % faster on every shape; with 1024 it ranges from 3 % faster (qwen3) to
 // 27 % slower (deepseek's down projection), the stores no longer being the larger cost.
 // The schedule for groups of about `rows_per_group` rows each: ping-pong up to 768, between the measured 512

@@ -43,11 +43,11 @@ namespace pounce::kernels::gemm {
 // (forward down, d_x) a group's rows past its data (`upper_half_padding`, from GroupedGemmArgs::group_rows or
 // the fused schedulers). Columns and rows a narrower wgmma leaves out are never stored; skipped rows get
 // exactly what zero rows of A give. Measured with the launches interleaved
-// (bench/results/padding_h200_2026-11-30.txt, deepseek / gpt-oss EP2 rows): the row skip speeds C up 3 % / 2
-// % but slows the activation backward 20 % / 3 % (its warpgroups drift apart: one multiplies alone while the
-// other runs the long epilogue), so gate/up and the activation backward compute their padding rows. Gate/up
-// always runs 256 wide, and no width but 64 is offered: with more code paths the fused kernels' register
-// allocation no longer pipelines their wgmmas (cmake/ptxas_guard.sh).
+// (docs/experiments/013-padding-and-edge-tiles.md, deepseek / gpt-oss EP2 rows): the row skip speeds C up 3 %
+// / 2 % but slows the activation backward 20 % / 3 % (its warpgroups drift apart: one multiplies alone while
+// the other runs the long epilogue), so gate/up and the activation backward compute their padding rows.
+// Gate/up always runs 256 wide, and no width but 64 is offered: with more code paths the fused kernels'
+// register allocation no longer pipelines their wgmmas (cmake/ptxas_guard.sh).
 template <GemmKind kKind>
 __device__ __forceinline__ int32_t mma_columns(const GroupedGemmArgs& args, const Tile& tile,
                                                int consumer_idx, bool upper_half_padding) {

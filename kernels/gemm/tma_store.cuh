@@ -2,8 +2,9 @@
 // as 64 x 64 chunks into its ring of store chunks (SharedStorage::store_chunks), and one thread hands each
 // chunk to the copy engine (a TMA store). The warpgroup goes on to the next tile while the stores drain, so
 // the tensor cores wait for the shared-memory writes only, not for the global ones (per-lane global stores
-// cost 5-40 % of a GEMM's time, the most with short reductions: bench/results/epilogue_h200_2026-11-30.txt).
-// The per-kind epilogues that use this live in grouped_gemm_kernel.cuh next to their per-lane forms.
+// cost 5-40 % of a GEMM's time, the most with short reductions:
+// docs/experiments/010-epilogues-through-shared-memory.md). The per-kind epilogues that use this live in
+// grouped_gemm_kernel.cuh next to their per-lane forms.
 #pragma once
 
 #include <cstdint>

@@ -7,7 +7,7 @@
 // Why: at EP2 an expert has about 512 rows, so a weight-gradient tile reduces over only 8 K blocks, and in
 // the cooperative kernel both warpgroups store at once with the tensor cores idle: 72 % tensor pipe
 // utilisation on deepseek-v3 at 1.77 GHz, against 85-92 % for the long-K GEMMs (Nsight Compute,
-// bench/results/wgrad_pingpong_h200_2026-11-30.txt). The price: a 128 x 128 tile loads 32 KB per K block for
+// docs/experiments/015-weight-grad-pingpong.md). The price: a 128 x 128 tile loads 32 KB per K block for
 // 2.1 MFLOP instead of 48 KB for 4.2, so with long reductions (1024 rows) the cooperative tiles stay faster
 // (grouped_gemm.h weight_grad_schedule_for).
 //

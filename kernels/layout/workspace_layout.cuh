@@ -145,6 +145,33 @@ inline constexpr int64_t kFusedHeaderWords = kFusedTileProfile + 2 * kNumProfile
 static_assert(kFusedStepTimes % 2 == 0 && kFusedTileProfile % 2 == 0,
               "the uint64 step times and profile slots must be 8-byte aligned in the uint32 counter region");
 
+// The fused kernels' counter arrays after the header, in uint32 words: the one place that places them, for
+// the kernels (fused::FusedCounters) and for the workspace's carve (WorkspaceLayout::fused_counter_words)
+// alike. max_m_blocks = rows_capacity / 128 bounds the minibatches and the routed m-blocks, token_blocks =
+// token_capacity / 128 the shared expert's m-blocks.
+struct FusedCounterLayout {
+  int64_t max_m_blocks, token_blocks, max_macrobatches;
+
+  // rows_ready [max_m_blocks]: a minibatch's rows pulled, +1 per communication CTA
+  POUNCE_HOST_DEVICE constexpr int64_t rows_ready() const { return kFusedHeaderWords; }
+  // rows_done [max_m_blocks]: a minibatch's second-GEMM tiles stored (push combine)
+  POUNCE_HOST_DEVICE constexpr int64_t rows_done() const { return rows_ready() + max_m_blocks; }
+  // first_done [token_blocks + max_m_blocks]: an m-block's first-GEMM tiles stored, shared m-blocks first
+  POUNCE_HOST_DEVICE constexpr int64_t first_done() const { return rows_done() + max_m_blocks; }
+  // replay_rows_ready [max_m_blocks], replay_done [max_m_blocks]: the backward's replay over a ring
+  POUNCE_HOST_DEVICE constexpr int64_t replay_rows_ready() const {
+    return first_done() + token_blocks + max_m_blocks;
+  }
+  POUNCE_HOST_DEVICE constexpr int64_t replay_done() const { return replay_rows_ready() + max_m_blocks; }
+  // ring_free [max_macrobatches]: the forward's macrobatch ring rows free again
+  POUNCE_HOST_DEVICE constexpr int64_t ring_free() const { return replay_done() + max_m_blocks; }
+  // routed_first_done_total [1]: the backward's count of every routed d_a tile
+  POUNCE_HOST_DEVICE constexpr int64_t routed_first_done_total() const {
+    return ring_free() + max_macrobatches;
+  }
+  POUNCE_HOST_DEVICE constexpr int64_t words() const { return routed_first_done_total() + 1; }
+};
+
 struct DeviceErrorRecord {
   int32_t code;      // DeviceErrorCode
   int32_t wait_id;   // WaitId for kWaitTimeout
@@ -157,7 +184,7 @@ struct DeviceErrorRecord {
 };
 
 // Sizes of one rank's workspace. Every member is a byte offset into its allocation or a size; the
-// formulas are the contract with Workspace::bytes_required (src/gpu/workspace.cu reports them).
+// formulas are the contract with Workspace::bytes_required, which reports them.
 struct WorkspaceLayout {
   // Shape (per rank).
   int64_t max_tokens = 0, hidden = 0, intermediate = 0, shared_intermediate = 0;
@@ -213,12 +240,8 @@ struct WorkspaceLayout {
   int64_t loc_shared_u = 0;    // bf16 [token_capacity][Is]
   int64_t loc_shared_act = 0;  // bf16 [token_capacity][Is]
   int64_t loc_shared_y = 0;    // bf16 [token_capacity][H]    (0 bytes when Is = 0)
-  // fused kernels only: uint32 [kFusedHeaderWords + 5 * max_m_blocks + token_blocks + max_macrobatches + 1],
-  // max_m_blocks = rows_capacity / 128, token_blocks = token_capacity / 128: rows_ready and rows_done per
-  // minibatch (at most one per m-block), then first_done (gate/up; d_a) per shared and per routed m-block,
-  // then the backward's replay (macrobatch ring): replay_rows_ready per minibatch, replay_done per m-block,
-  // then the forward's ring_free per macrobatch, then the backward's count of every routed d_a tile
-  // (kernels/fused/fused_common.cuh)
+  // fused kernels only: uint32 [FusedCounterLayout::words()], kFusedHeaderWords + 5 * max_m_blocks +
+  // token_blocks + max_macrobatches + 1 (FusedCounterLayout places each array)
   int64_t loc_fused_counters = 0;
   int64_t fused_counter_words = 0;
   // backward only (nothing here is forward context)
@@ -293,8 +316,8 @@ struct WorkspaceLayout {
     l.loc_shared_u = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_act = carve(l.token_capacity * Is * kBf16Bytes);
     l.loc_shared_y = carve(Is > 0 ? l.token_capacity * H * kBf16Bytes : 0);
-    l.fused_counter_words = kFusedHeaderWords + 5 * (l.rows_capacity / kBlockM) + l.token_capacity / kBlockM +
-                            l.max_macrobatches + 1;
+    l.fused_counter_words =
+        FusedCounterLayout{l.rows_capacity / kBlockM, l.token_capacity / kBlockM, l.max_macrobatches}.words();
     l.loc_fused_counters = carve(l.fused_counter_words * 4);
     l.loc_dy_rows = carve(M * H * kBf16Bytes);
     l.loc_d_gu_rows = carve(M * 2 * I * kBf16Bytes);

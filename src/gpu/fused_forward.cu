@@ -16,7 +16,7 @@
 //     backward 6.88 ms with 4, 6.40 with 8, 6.30 with 12; deepseek 26.3 with 8, 27.0 with 12);
 //   - minibatches of 8 m-blocks (1024 rows) otherwise, about one wave of tiles each (16 within noise, 32
 //     +3-7 %).
-// The sweeps: bench/results/sweep_fused_ep2_8192_2026-11-29.txt.
+// The sweeps: docs/experiments/004-fused-forward-combines-and-heuristic.md.
 // config.forward_comm_sms, minibatch_size and combine override (tests cover both combines on every shape).
 #include <cuda_runtime.h>
 

@@ -4,9 +4,9 @@
 // chunks: the GEMMs of chunk c start when its rows have arrived, and its outputs leave while chunk c + 1
 // computes. Every handoff is a CUDA event, so a captured graph holds the same fork/join edges.
 //
-// Heuristic (docs/design.md, "Overlap"; sweep in bench/results/sweep_overlap_ep2_8192_*.txt): a routed row
-// moves 2H bytes per 6HI flops, so transfers weigh ~1/I against the GEMMs. Comm-heavy shapes (I < 1024,
-// e.g. qwen3: 768) get 20 communication SMs, the rest 12 (NVLink saturates with 16-32 SMs, FACTS.md; a
+// Heuristic (docs/design.md, "Overlap"; the sweep: docs/experiments/002-staged-overlap-sweep.md): a routed
+// row moves 2H bytes per 6HI flops, so transfers weigh ~1/I against the GEMMs. Comm-heavy shapes (I < 1024,
+// e.g. qwen3: 768) get 20 communication SMs, the rest 12 (NVLink saturates with 16-32 SMs on H200; a
 // GEMM-bound shape loses more to the SMs it gives up than it gains); one rank moves rows within HBM and
 // gets 12. chunks = min(El, 8). config.forward/backward_comm_sms and minibatch_size (rows per chunk:
 // chunks = ceil(max_tokens * k / minibatch_size), at most El and kMaxChunks) override.
