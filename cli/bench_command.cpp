@@ -143,6 +143,22 @@ void print_table(std::ostream& out, const json& records) {
 
 }  // namespace
 
+int record_command(const std::string& run_file, const std::string& dir) {
+  std::ifstream file(run_file);
+  POUNCE_CHECK(file.good(), "--record-from ", run_file,
+               ": cannot open it; pass a records file of pounce bench");
+  json run;
+  try {
+    run = json::parse(file);
+  } catch (const json::exception& error) {
+    detail::fail("--record-from ", run_file, " is not JSON: ", error.what());
+  }
+  POUNCE_CHECK(run.is_array(), "--record-from ", run_file, " is not a JSON list of records");
+  for (const std::string& written : record_results(dir, run))
+    std::cout << "recorded into " << written << " (the latest record per configuration)\n";
+  return 0;
+}
+
 int bench_command(const BenchOptions& options, const std::string& command_line) {
   const Machine machine = probe_machine();
   const bool have_gpu = machine.cuda_compiled && machine.num_gpus > 0;

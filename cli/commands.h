@@ -34,9 +34,11 @@ struct BenchOptions {
   std::string baseline_script = "bench/baselines/torch_moe.py";
   std::string plot_script = "bench/plot_results.py";  // "" = no chart
   std::string python = "python3";
-  std::string name;  // results file stem; "" = pounce-<UTC date>
-  std::string out;   // "" = bench/results/<name>.json
+  std::string name;  // results file stem; "" = pounce-bench-<UTC date>
+  std::string out;   // "" = $TMPDIR/<name>.json; "DIR/" = record into DIR (--record: bench/results/)
 };
 int bench_command(const BenchOptions& options, const std::string& command_line);
+// Records the measured records of a finished run's file (one fetched from a GPU machine) into `dir`.
+int record_command(const std::string& run_file, const std::string& dir);
 
 }  // namespace pounce::cli

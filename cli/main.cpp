@@ -105,7 +105,9 @@ int main(int argc, char** argv) {
   CLI::App* bench_app = app.add_subcommand(
       "bench",
       "Sweep presets x tokens per rank on every visible GPU, with the PyTorch baseline measured in the "
-      "same run; JSON records to bench/results/");
+      "same run; JSON records to $TMPDIR/<name>.json, or with --record into bench/results/ (the latest "
+      "record "
+      "per configuration)");
   bench_app->add_option("--preset", bench.presets, "presets to sweep, or custom:H:I:E:k[:Is] shapes")
       ->delimiter(',')
       ->capture_default_str();
@@ -151,8 +153,19 @@ int main(int argc, char** argv) {
   bench_app->add_option("--baseline-script", bench.baseline_script, "the baseline script")
       ->capture_default_str();
   bench_app->add_option("--name", bench.name,
-                        "results name: bench/results/<name>.json (default pounce-<date>)");
-  bench_app->add_option("--out", bench.out, "results file (overrides --name)");
+                        "results file name: $TMPDIR/<name>.json (default pounce-bench-<date>)");
+  CLI::Option* out_option = bench_app->add_option(
+      "--out", bench.out,
+      "results FILE (overrides --name), or DIR/ to record into DIR's ep<R>_<precision>.json");
+  bool record = false;
+  bench_app
+      ->add_flag(
+          "--record", record,
+          "record into bench/results/: replaces the records of the configurations measured, keeps the rest")
+      ->excludes(out_option);
+  std::string record_from;
+  bench_app->add_option("--record-from", record_from,
+                        "measure nothing: record the records of FILE (a finished run's) into bench/results/");
 
   try {
     app.parse(argc, argv);
@@ -177,6 +190,8 @@ int main(int argc, char** argv) {
     if (*info_app) return info_command(info);
     std::string command_line;
     for (int i = 0; i < argc; ++i) command_line += (i ? " " : "") + std::string(argv[i]);
+    if (!record_from.empty()) return record_command(record_from, "bench/results/");
+    if (record) bench.out = "bench/results/";
     return bench_command(bench, command_line);
   } catch (const pounce::Error& error) {
     std::cerr << "error: " << strip_prefix(error.what()) << "\n";
