@@ -13,62 +13,22 @@
 //   d_x[t] = round(d_xs[t] + sum_{j ascending, idx >= 0} d_x_pair[t, j]), one accumulator from d_xs[t]
 //   d_w_down[e] [H, I] = sum_rows dy ⊗ a,  d_w_gate[e] [I, H] = sum_rows d_g ⊗ x,  d_w_up = sum d_u ⊗ x
 // with the weight sums in T over the expert's rows in receive-schedule order (the shared expert: the
-// rank's tokens ascending), not rounded: the caller picks the output dtype.
+// rank's tokens ascending), not rounded: the caller picks the output dtype. Precision::kFP8 runs
+// fp8_backward.cpp instead.
 #include "reference/detail.h"
+#include "reference/fp8_detail.h"
 
 namespace pounce::reference {
 namespace {
 
+using detail::GradTask;
+using detail::GradTensor;
 using detail::RowChunk;
+using detail::RowsForGrad;
 
 constexpr int64_t kRowsPerChunk = 64;
 constexpr int64_t kTokensPerChunk = 64;
 constexpr int64_t kGradRowsPerTask = 32;
-
-// Per-row tensors kept from phase 1 for one expert's weight gradients.
-template <typename T>
-struct RowsForGrad {
-  int64_t num_rows = 0;
-  int64_t intermediate = 0;  // I or Is
-  const T* x = nullptr;      // [num_rows, H]
-  const T* dy = nullptr;     // [num_rows, H]
-  const T* a = nullptr;      // [num_rows, I]
-  const T* d_gu = nullptr;   // [num_rows, 2I], d_g at 2i, d_u at 2i + 1
-};
-
-enum class GradTensor { kGate, kUp, kDown };
-
-// One task of phase 2: output rows [begin, end) of one weight gradient, or (expert = kCombine)
-// the d_x combine of tokens [begin, end) of `rank`.
-struct GradTask {
-  static constexpr int64_t kCombine = -2;
-  int64_t rank = 0;
-  int64_t expert = 0;  // local expert, RowChunk::kSharedExpert or kCombine
-  GradTensor tensor = GradTensor::kGate;
-  int64_t begin = 0;
-  int64_t end = 0;
-};
-
-// d_weight rows [begin, end) of `tensor` from the rows' tensors; out points at row 0 of the expert's
-// gradient tensor in the caller's layout (gate/up [I, H], down [H, I]).
-template <typename T>
-void weight_gradient_rows(const RowsForGrad<T>& rows, int64_t H, GradTensor tensor, int64_t begin,
-                          int64_t end, double* out) {
-  const int64_t I = rows.intermediate, M = rows.num_rows;
-  std::vector<T> block;
-  if (tensor == GradTensor::kDown) {
-    // d_w_down[h, i] = sum_m dy[m, h] * a[m, i]
-    block.resize((end - begin) * I);
-    detail::matmul(rows.dy + begin, 1, H, rows.a, end - begin, M, I, block.data());
-    for (int64_t n = 0; n < (end - begin) * I; ++n) out[begin * I + n] = static_cast<double>(block[n]);
-  } else {
-    // d_w_gate[i, h] = sum_m d_g[m, i] * x[m, h]; d_w_up likewise with d_u
-    const int64_t column = tensor == GradTensor::kGate ? 0 : 1;
-    block.resize((end - begin) * H);
-    detail::matmul(rows.d_gu + 2 * begin + column, 2, 2 * I, rows.x, end - begin, M, H, block.data());
-    for (int64_t n = 0; n < (end - begin) * H; ++n) out[begin * H + n] = static_cast<double>(block[n]);
-  }
-}
 
 template <typename T>
 std::vector<RankGradients> backward_t(const Problem& p, const std::vector<RankInputs>& ranks,
@@ -179,17 +139,8 @@ std::vector<RankGradients> backward_t(const Problem& p, const std::vector<RankIn
     const GradTask& task = tasks[task_idx];
     const int64_t r = task.rank;
     if (task.expert == GradTask::kCombine) {
-      const std::vector<int32_t>& topk_idx = ranks[r].topk_idx;
-      std::vector<T> acc(H);
-      for (int64_t t = task.begin; t < task.end; ++t) {
-        std::copy(d_xs[r].data() + t * H, d_xs[r].data() + (t + 1) * H, acc.data());
-        for (int64_t j = 0; j < k; ++j) {
-          if (topk_idx[t * k + j] < 0) continue;
-          const T* pair = d_x_pair[r].data() + (t * k + j) * H;
-          for (int64_t h = 0; h < H; ++h) acc[h] += pair[h];
-        }
-        for (int64_t h = 0; h < H; ++h) result[r].d_x[t * H + h] = detail::round_point(acc[h]);
-      }
+      detail::combine_d_x_tokens(ranks[r].topk_idx, d_xs[r].data(), d_x_pair[r].data(), k, H, task.begin,
+                                 task.end, result[r].d_x.data());
       return;
     }
     RowsForGrad<T> rows;
@@ -214,7 +165,7 @@ std::vector<RankGradients> backward_t(const Problem& p, const std::vector<RankIn
     double* dest = task.tensor == GradTensor::kGate ? out->gate.data() + out_offset_in
                    : task.tensor == GradTensor::kUp ? out->up.data() + out_offset_in
                                                     : out->down.data() + out_offset_down;
-    weight_gradient_rows(rows, H, task.tensor, task.begin, task.end, dest);
+    detail::weight_gradient_rows(rows, H, task.tensor, task.begin, task.end, dest);
   });
   return result;
 }
@@ -224,6 +175,11 @@ std::vector<RankGradients> backward_t(const Problem& p, const std::vector<RankIn
 std::vector<RankGradients> backward(const Problem& problem, const std::vector<RankInputs>& ranks,
                                     const std::vector<Weights>& routed_per_rank, const Weights& shared) {
   detail::validate_inputs(problem, ranks, routed_per_rank, shared, /*need_d_out=*/true);
+  if (problem.precision == Precision::kFP8) {
+    if (problem.numerics == Numerics::kBf16)
+      return detail::fp8_backward_t<float>(problem, ranks, routed_per_rank, shared, nullptr);
+    return detail::fp8_backward_t<double>(problem, ranks, routed_per_rank, shared, nullptr);
+  }
   if (problem.numerics == Numerics::kBf16) return backward_t<float>(problem, ranks, routed_per_rank, shared);
   return backward_t<double>(problem, ranks, routed_per_rank, shared);
 }

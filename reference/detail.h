@@ -271,6 +271,90 @@ inline std::vector<RowChunk> make_token_chunks(const std::vector<RankInputs>& ra
   return chunks;
 }
 
+// ---- weight gradients (backward.cpp; the shared expert of fp8_backward.cpp)
+// --------------------------------
+
+// Per-row tensors kept from phase 1 for one expert's weight gradients.
+template <typename T>
+struct RowsForGrad {
+  int64_t num_rows = 0;
+  int64_t intermediate = 0;  // I or Is
+  const T* x = nullptr;      // [num_rows, H]
+  const T* dy = nullptr;     // [num_rows, H]
+  const T* a = nullptr;      // [num_rows, I]
+  const T* d_gu = nullptr;   // [num_rows, 2I], d_g at 2i, d_u at 2i + 1
+};
+
+enum class GradTensor { kGate, kUp, kDown };
+
+// One task of phase 2: output rows [begin, end) of one weight gradient, or (expert = kCombine)
+// the d_x combine of tokens [begin, end) of `rank`.
+struct GradTask {
+  static constexpr int64_t kCombine = -2;
+  int64_t rank = 0;
+  int64_t expert = 0;  // local expert, RowChunk::kSharedExpert or kCombine
+  GradTensor tensor = GradTensor::kGate;
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
+// d_weight rows [begin, end) of `tensor` from the rows' tensors; out points at row 0 of the expert's
+// gradient tensor in the caller's layout (gate/up [I, H], down [H, I]).
+template <typename T>
+void weight_gradient_rows(const RowsForGrad<T>& rows, int64_t H, GradTensor tensor, int64_t begin,
+                          int64_t end, double* out) {
+  const int64_t I = rows.intermediate, M = rows.num_rows;
+  std::vector<T> block;
+  if (tensor == GradTensor::kDown) {
+    // d_w_down[h, i] = sum_m dy[m, h] * a[m, i]
+    block.resize((end - begin) * I);
+    matmul(rows.dy + begin, 1, H, rows.a, end - begin, M, I, block.data());
+    for (int64_t n = 0; n < (end - begin) * I; ++n) out[begin * I + n] = static_cast<double>(block[n]);
+  } else {
+    // d_w_gate[i, h] = sum_m d_g[m, i] * x[m, h]; d_w_up likewise with d_u
+    const int64_t column = tensor == GradTensor::kGate ? 0 : 1;
+    block.resize((end - begin) * H);
+    matmul(rows.d_gu + 2 * begin + column, 2, 2 * I, rows.x, end - begin, M, H, block.data());
+    for (int64_t n = 0; n < (end - begin) * H; ++n) out[begin * H + n] = static_cast<double>(block[n]);
+  }
+}
+
+// ---- the owner-side sums over top-k slots (forward combine, backward d_x combine) ------------------------
+
+// out[t] = round(ys[t] + sum_{j ascending, idx >= 0} w[t, j] * y[t, j]) for tokens [begin, end): one
+// accumulator that starts at ys[t]. ys [T, H], y [T, k, H], w [T, k], out [T, H].
+template <typename T>
+void combine_tokens(const std::vector<int32_t>& topk_idx, const T* topk_weights, const T* ys, const T* y,
+                    int64_t k, int64_t H, int64_t begin, int64_t end, double* out) {
+  std::vector<T> acc(H);
+  for (int64_t t = begin; t < end; ++t) {
+    std::copy(ys + t * H, ys + (t + 1) * H, acc.data());
+    for (int64_t j = 0; j < k; ++j) {
+      if (topk_idx[t * k + j] < 0) continue;
+      const T w = topk_weights[t * k + j];
+      const T* y_tj = y + (t * k + j) * H;
+      for (int64_t h = 0; h < H; ++h) acc[h] += w * y_tj[h];
+    }
+    for (int64_t h = 0; h < H; ++h) out[t * H + h] = static_cast<double>(round_point(acc[h]));
+  }
+}
+
+// d_x[t] = round(d_xs[t] + sum_{j ascending, idx >= 0} d_x_pair[t, j]) for tokens [begin, end).
+template <typename T>
+void combine_d_x_tokens(const std::vector<int32_t>& topk_idx, const T* d_xs, const T* d_x_pair, int64_t k,
+                        int64_t H, int64_t begin, int64_t end, double* d_x) {
+  std::vector<T> acc(H);
+  for (int64_t t = begin; t < end; ++t) {
+    std::copy(d_xs + t * H, d_xs + (t + 1) * H, acc.data());
+    for (int64_t j = 0; j < k; ++j) {
+      if (topk_idx[t * k + j] < 0) continue;
+      const T* pair = d_x_pair + (t * k + j) * H;
+      for (int64_t h = 0; h < H; ++h) acc[h] += pair[h];
+    }
+    for (int64_t h = 0; h < H; ++h) d_x[t * H + h] = static_cast<double>(round_point(acc[h]));
+  }
+}
+
 template <typename T>
 std::vector<double> to_double(const std::vector<T>& values) {
   return std::vector<double>(values.begin(), values.end());

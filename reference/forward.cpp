@@ -5,8 +5,9 @@
 //   4. out[t] = round(ys[t] + sum_{j ascending, idx >= 0} w[t, j] * y[t, j]), one accumulator that
 //      starts at ys[t].
 // Nothing depends on how the experts are split over ranks, so 1, 2, 4 or 8 ranks give bitwise-equal
-// outputs for the same global batch.
+// outputs for the same global batch. Precision::kFP8 runs fp8_forward.cpp instead.
 #include "reference/detail.h"
+#include "reference/fp8_detail.h"
 
 namespace pounce::reference {
 namespace {
@@ -63,19 +64,8 @@ std::vector<RankForward> forward_t(const Problem& p, const std::vector<RankInput
   const std::vector<RowChunk> token_chunks = detail::make_token_chunks(ranks, kTokensPerChunk);
   parallel_for(static_cast<int64_t>(token_chunks.size()), p.num_threads, [&](int64_t task) {
     const RowChunk& c = token_chunks[task];
-    const std::vector<int32_t>& topk_idx = ranks[c.rank].topk_idx;
-    const std::vector<T>& topk_weights = group.topk_weights[c.rank];
-    std::vector<T> acc(H);
-    for (int64_t t = c.begin; t < c.end; ++t) {
-      std::copy(ys[c.rank].data() + t * H, ys[c.rank].data() + (t + 1) * H, acc.data());
-      for (int64_t j = 0; j < k; ++j) {
-        if (topk_idx[t * k + j] < 0) continue;
-        const T w = topk_weights[t * k + j];
-        const T* y_tj = y[c.rank].data() + (t * k + j) * H;
-        for (int64_t h = 0; h < H; ++h) acc[h] += w * y_tj[h];
-      }
-      for (int64_t h = 0; h < H; ++h) result[c.rank].out[t * H + h] = detail::round_point(acc[h]);
-    }
+    detail::combine_tokens(ranks[c.rank].topk_idx, group.topk_weights[c.rank].data(), ys[c.rank].data(),
+                           y[c.rank].data(), k, H, c.begin, c.end, result[c.rank].out.data());
   });
 
   for (int64_t r = 0; r < R; ++r) {
@@ -90,6 +80,11 @@ std::vector<RankForward> forward_t(const Problem& p, const std::vector<RankInput
 std::vector<RankForward> forward(const Problem& problem, const std::vector<RankInputs>& ranks,
                                  const std::vector<Weights>& routed_per_rank, const Weights& shared) {
   detail::validate_inputs(problem, ranks, routed_per_rank, shared, /*need_d_out=*/false);
+  if (problem.precision == Precision::kFP8) {
+    if (problem.numerics == Numerics::kBf16)
+      return detail::fp8_forward_t<float>(problem, ranks, routed_per_rank, shared);
+    return detail::fp8_forward_t<double>(problem, ranks, routed_per_rank, shared);
+  }
   if (problem.numerics == Numerics::kBf16) return forward_t<float>(problem, ranks, routed_per_rank, shared);
   return forward_t<double>(problem, ranks, routed_per_rank, shared);
 }

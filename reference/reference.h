@@ -5,11 +5,18 @@
 //           and the backward rounding points in docs/design.md;
 //   kFp64 — no rounding anywhere, fp64 accumulate: the oracle for tolerances and finite differences.
 // Every rank's tensors are held as double; in kBf16 mode inputs must be bf16-representable.
+//
+// Two precisions (Problem::precision, as Config::precision): kBF16, and kFP8, where the routed experts
+// run block-scaled E4M3 with every quantization point of docs/design.md §1 "FP8 mode" (fp8_forward.cpp,
+// fp8_backward.cpp; the shared expert stays BF16). kFP8 with kBf16 numerics is the FP8 oracle; with kFp64
+// it keeps the same quantization points (the values reach the quantizer through fp32) and drops the bf16
+// rounding points, accumulating in fp64: the noise yardstick of the FP8 GPU tests.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "pounce/config.h"
 #include "pounce/shape.h"
 
 namespace pounce::reference {
@@ -26,7 +33,8 @@ struct Problem {
   int64_t block_m = 128;            // schedule padding
   Activation activation;
   Numerics numerics = Numerics::kBf16;
-  int num_threads = 0;  // 0 = hardware concurrency
+  Precision precision = Precision::kBF16;  // kFP8: block_m must be a multiple of 128 (kFp8Block)
+  int num_threads = 0;                     // 0 = hardware concurrency
 
   int64_t num_local_experts() const { return num_experts / num_ranks; }
 };
@@ -83,6 +91,49 @@ std::vector<RankForward> forward(const Problem& problem, const std::vector<RankI
                                  const std::vector<Weights>& routed_per_rank, const Weights& shared);
 
 std::vector<RankGradients> backward(const Problem& problem, const std::vector<RankInputs>& ranks,
+                                    const std::vector<Weights>& routed_per_rank, const Weights& shared);
+
+// ---- FP8 mode's operands, for tests (docs/design.md §1 "FP8 mode") ------------------------------------
+
+// One tensor [rows, cols] in block-scaled E4M3: value(r, c) = e4m3_to_float(q[r, c]) * scale of its block.
+struct Fp8Blocks {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t block_rows = 1;    // 1 (1x128 blocks along the row), 128 (128x1 along the token axis, 128x128)
+  int64_t block_cols = 128;  // 128, or 1 for the token-axis copies
+  std::vector<uint8_t> q;    // [rows, cols] e4m3 (fn) bits
+  std::vector<float> scale;  // [ceil(rows / block_rows), ceil(cols / block_cols)], powers of two
+  double value(int64_t r, int64_t c) const;
+};
+
+// The routed experts' quantized operands and GEMM accumulators of one rank in FP8 mode. Row tensors have
+// one row per receive-schedule row of the rank (build_schedule(); padding rows are zero, quantize to 0 with
+// scale 1); the *_acc tensors are the GEMMs' accumulators before the bf16 rounding point (fp32 values in
+// kBf16 numerics). The token-axis copies ("q128x1_T") quantize the row tensors in 128-row blocks that
+// start at each expert segment's first row (segments start at multiples of block_m, itself a multiple of
+// 128, so these are the blocks of the whole row tensor): the operands of the weight-gradient GEMMs.
+struct RankFp8Trace {
+  Fp8Blocks x_q;                 // [T_r, H] q1x128_H(x) of this rank's own tokens, at the source
+  std::vector<double> g_acc;     // [rows, I] x_q · w_gate_q^T
+  std::vector<double> u_acc;     // [rows, I] x_q · w_up_q^T
+  std::vector<double> a;         // [rows, I] bf16(act(bf16(g_acc), bf16(u_acc)))
+  Fp8Blocks a_q;                 // [rows, I] q1x128_I(a)
+  std::vector<double> y_acc;     // [rows, H] a_q · w_down_q^T
+  std::vector<double> d_y;       // [rows, H] bf16(w * d_out)
+  Fp8Blocks d_y_q;               // [rows, H] q1x128_H(d_y)
+  std::vector<double> d_a_acc;   // [rows, I] d_y_q · w_down_t_q^T
+  std::vector<double> d_g, d_u;  // [rows, I] bf16(act'(g, u) bf16(d_a_acc))
+  Fp8Blocks d_g_q, d_u_q;        // [rows, I] q1x128_I
+  std::vector<double> d_x_acc;   // [rows, H] d_g_q · w_gate_t_q^T + d_u_q · w_up_t_q^T, one accumulator
+  // [rows, cols] in 128x1 blocks: x from the pulled x_q rows (dequantized: x reaches the expert as FP8),
+  // the others from the bf16 tensors above. d_w_down = d_y_t^T a_t, d_w_gate = d_g_t^T x_t, d_w_up = d_u_t^T
+  // x_t.
+  Fp8Blocks x_t, a_t, d_y_t, d_g_t, d_u_t;
+};
+
+// The FP8 backward's operands of every rank (problem.precision must be kFP8); backward() returns the
+// gradients computed from exactly these.
+std::vector<RankFp8Trace> fp8_trace(const Problem& problem, const std::vector<RankInputs>& ranks,
                                     const std::vector<Weights>& routed_per_rank, const Weights& shared);
 
 // Activation and its derivative in fp32/fp64 (clamp masks included).

@@ -94,6 +94,9 @@ void validate_problem(const Problem& p) {
   POUNCE_CHECK(p.shared_intermediate >= 0, "problem.shared_intermediate = ", p.shared_intermediate,
                " is negative: use 0 for no shared expert");
   POUNCE_CHECK(p.block_m > 0, "problem.block_m = ", p.block_m, " must be positive (the GEMM tile height)");
+  POUNCE_CHECK(p.precision == Precision::kBF16 || p.block_m % kFp8Block == 0, "problem.block_m = ", p.block_m,
+               " with precision fp8: the token-axis quantization blocks (128 rows) must not straddle expert ",
+               "segments; use a multiple of ", kFp8Block, " (the GPU's kBlockM = ", kBlockM, ")");
   POUNCE_CHECK(p.num_threads >= 0, "problem.num_threads = ", p.num_threads,
                " is negative: use 0 for hardware concurrency");
   if (p.activation.clamp_limit) {
