@@ -64,11 +64,6 @@ __device__ __forceinline__ bool wait_step_released(const layout::WorkspacePointe
   return wait_count(ws, step_released(ws, step), 1u, layout::WaitId::kFusedGridStep, step, 2 * ws.timeout_ns);
 }
 
-// Where the kernel's time goes (layout::kFusedStepTimes): plain stores, read by the host after the call.
-__device__ __forceinline__ unsigned long long* step_times(const layout::WorkspacePointers& ws) {
-  return reinterpret_cast<unsigned long long*>(ws.fused_counters + layout::kFusedStepTimes);
-}
-
 // The last arrival's release; a failed serial step aborts the kernel (its error is recorded already).
 __device__ __forceinline__ void release_step(const layout::WorkspacePointers& ws, layout::FusedGridStep step,
                                              bool ok) {

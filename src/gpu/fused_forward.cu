@@ -21,14 +21,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <string>
 
 #include "kernels/fused/fused_forward.cuh"
 #include "kernels/gemm/gemm_operands.h"
 #include "src/gpu/gpu_state.h"
 #include "src/gpu/overlap.h"
-#include "src/gpu/stage_timer.h"
+#include "src/gpu/profile.h"
 
 namespace pounce::gpu {
 namespace {
@@ -40,40 +39,6 @@ constexpr int kScatterCommCtas = 4;
 constexpr int kBackwardScatterCommCtas = 8;
 constexpr int kOneRankCommCtas = 8;
 constexpr size_t kFusedSharedBytes = kernels::gemm::kSharedBytes;
-
-// POUNCE_PROFILE_STAGES: where the fused kernel's time went, from the %globaltimer stamps of its grid steps
-// (kernels/fused/grid_steps.cuh). Synchronises the stream; skipped while capturing.
-void report_step_times(const kernels::layout::WorkspacePointers& p, cudaStream_t stream) {
-  if (p.profile_tiles == 0) return;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  POUNCE_CUDA(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) return;
-  unsigned long long ns[kernels::layout::kNumStepTimes] = {};
-  POUNCE_CUDA(cudaMemcpyAsync(ns, p.fused_counters + kernels::layout::kFusedStepTimes, sizeof(ns),
-                              cudaMemcpyDeviceToHost, stream));
-  POUNCE_CUDA(cudaStreamSynchronize(stream));
-  auto ms = [&](int from, int to) { return ns[from] && ns[to] ? (ns[to] - ns[from]) * 1e-6 : -1.0; };
-  std::fprintf(
-      stderr,
-      "pounce profile rank %d fused forward inside, ms after CTA 0's start: last CTA started %.3f, x staged "
-      "%.3f, routing ids stored %.3f, fenced %.3f, arrived %.3f; then ms each: routing barrier %.3f schedule "
-      "%.3f (count+scan %.3f) tiles+transfers %.3f combine barrier %.3f\n",
-      p.rank, ms(kernels::layout::kTimeKernelStarted, kernels::layout::kTimeLastCtaStarted),
-      ms(kernels::layout::kTimeKernelStarted, kernels::layout::kTimeXStaged),
-      ms(kernels::layout::kTimeKernelStarted, kernels::layout::kTimeRoutingStored),
-      ms(kernels::layout::kTimeKernelStarted, kernels::layout::kTimeRoutingFenced),
-      ms(kernels::layout::kTimeKernelStarted, kernels::layout::kTimeRoutingArrived),
-      ms(kernels::layout::kTimeRoutingArrived, kernels::layout::kTimeRoutingReleased),
-      ms(kernels::layout::kTimeRoutingReleased, kernels::layout::kTimePlacedReleased),
-      ms(kernels::layout::kTimeRoutingReleased, kernels::layout::kTimeCountedReleased),
-      ms(kernels::layout::kTimePlacedReleased, kernels::layout::kTimeLastFinished),
-      ms(kernels::layout::kTimeLastFinished, kernels::layout::kTimeCombineBarrier));
-  report_tile_profile(p, "forward", {"", "shared gate/up", "shared down", "gate/up", "down"}, stream,
-                      {{"routing released", ns[kernels::layout::kTimeRoutingReleased]},
-                       {"schedule placed", ns[kernels::layout::kTimePlacedReleased]},
-                       {"last finished", ns[kernels::layout::kTimeLastFinished]},
-                       {"combine barrier", ns[kernels::layout::kTimeCombineBarrier]}});
-}
 
 // Zeroed counters (a memset node in a captured graph), then the kernel, cooperatively: the grid steps
 // (kernels/fused/grid_steps.cuh) wait for every CTA, so all must be resident; the launch fails instead of

@@ -27,7 +27,7 @@
 #include "src/gpu/gpu_state.h"
 #include "src/gpu/mlp_backward.h"
 #include "src/gpu/overlap.h"
-#include "src/gpu/stage_timer.h"
+#include "src/gpu/profile.h"
 
 namespace pounce::gpu {
 namespace {

@@ -24,7 +24,7 @@
 #include "kernels/sched/macrobatch_plan.cuh"
 #include "src/gpu/gpu_state.h"
 #include "src/gpu/overlap.h"
-#include "src/gpu/stage_timer.h"
+#include "src/gpu/profile.h"
 
 namespace pounce::gpu {
 namespace {

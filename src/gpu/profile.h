@@ -1,7 +1,9 @@
-// Per-stage timing of the staged passes, for finding where a pass spends its time: set
-// POUNCE_PROFILE_STAGES=1 and every forward/backward prints, on stderr, the milliseconds between its stage
-// marks on the caller's stream (waits for the comm stream included). Off by default: when on, each pass
-// synchronises its stream at the end, so it cannot be captured into a CUDA graph.
+// Where a pass spends its time, on the host side, all of it (the device side: kernels/fused/profile.cuh).
+// Under POUNCE_PROFILE_STAGES (read once per workspace: WorkspacePointers::profile_tiles) every forward and
+// backward prints on stderr the milliseconds between its stage marks on the caller's stream (StageTimer;
+// waits for the comm stream included), and a fused pass also its grid steps' milestones and its tiles' time
+// per task kind. Off by default: when on, each pass synchronises its stream at the end, and nothing is
+// printed while a stream is being captured.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -160,6 +162,40 @@ inline void report_tile_profile(const kernels::layout::WorkspacePointers& p, con
                 since_start(~slots[kernels::layout::kProfileOutOfTasksInverted]),
                 since_start(slots[kernels::layout::kProfileOutOfTasks]));
   std::fprintf(stderr, "%s%s\n", timeline.c_str(), item);
+}
+
+// POUNCE_PROFILE_STAGES: where the fused kernel's time went, from the %globaltimer stamps of its grid steps
+// (kernels/fused/grid_steps.cuh). Synchronises the stream; skipped while capturing.
+inline void report_step_times(const kernels::layout::WorkspacePointers& p, cudaStream_t stream) {
+  if (p.profile_tiles == 0) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  POUNCE_CUDA(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return;
+  unsigned long long ns[kernels::layout::kNumStepTimes] = {};
+  POUNCE_CUDA(cudaMemcpyAsync(ns, p.fused_counters + kernels::layout::kFusedStepTimes, sizeof(ns),
+                              cudaMemcpyDeviceToHost, stream));
+  POUNCE_CUDA(cudaStreamSynchronize(stream));
+  auto ms = [&](int from, int to) { return ns[from] && ns[to] ? (ns[to] - ns[from]) * 1e-6 : -1.0; };
+  std::fprintf(
+      stderr,
+      "pounce profile rank %d fused forward inside, ms after CTA 0's start: last CTA started %.3f, x staged "
+      "%.3f, routing ids stored %.3f, fenced %.3f, arrived %.3f; then ms each: routing barrier %.3f schedule "
+      "%.3f (count+scan %.3f) tiles+transfers %.3f combine barrier %.3f\n",
+      p.rank, ms(kernels::layout::kTimeKernelStarted, kernels::layout::kTimeLastCtaStarted),
+      ms(kernels::layout::kTimeKernelStarted, kernels::layout::kTimeXStaged),
+      ms(kernels::layout::kTimeKernelStarted, kernels::layout::kTimeRoutingStored),
+      ms(kernels::layout::kTimeKernelStarted, kernels::layout::kTimeRoutingFenced),
+      ms(kernels::layout::kTimeKernelStarted, kernels::layout::kTimeRoutingArrived),
+      ms(kernels::layout::kTimeRoutingArrived, kernels::layout::kTimeRoutingReleased),
+      ms(kernels::layout::kTimeRoutingReleased, kernels::layout::kTimePlacedReleased),
+      ms(kernels::layout::kTimeRoutingReleased, kernels::layout::kTimeCountedReleased),
+      ms(kernels::layout::kTimePlacedReleased, kernels::layout::kTimeLastFinished),
+      ms(kernels::layout::kTimeLastFinished, kernels::layout::kTimeCombineBarrier));
+  report_tile_profile(p, "forward", {"", "shared gate/up", "shared down", "gate/up", "down"}, stream,
+                      {{"routing released", ns[kernels::layout::kTimeRoutingReleased]},
+                       {"schedule placed", ns[kernels::layout::kTimePlacedReleased]},
+                       {"last finished", ns[kernels::layout::kTimeLastFinished]},
+                       {"combine barrier", ns[kernels::layout::kTimeCombineBarrier]}});
 }
 
 }  // namespace pounce::gpu
