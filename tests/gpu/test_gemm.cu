@@ -14,6 +14,7 @@
 // are: C skips a consumer warpgroup with only padding rows and the weight gradients the K blocks past the
 // data (gate/up and the activation backward compute them), and the outputs must still be the reference's
 // (zeros on padding rows; a weight gradient bitwise the one computed over every row).
+// The skip rule, device buffers, the poison pattern and the bitwise comparison are gpu_fixtures.h's.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -22,7 +23,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -31,45 +31,25 @@
 #include <utility>
 #include <vector>
 
+#include "gpu_fixtures.h"
 #include "kernels/gemm/activation.cuh"
 #include "kernels/gemm/grouped_gemm.h"
+#include "reference/bf16.h"
 
 namespace {
 
+using pounce::gpu_test::bitwise_difference;
+using pounce::gpu_test::count_unpoisoned;
+using pounce::gpu_test::DeviceBuffer;
+using pounce::gpu_test::kPoison;
+using pounce::gpu_test::same_bits;
 using pounce::kernels::ActivationParams;
 using pounce::kernels::GroupedRows;
-
-constexpr uint16_t kPoison = 0xFFFF;
-
-#define SKIP_WITHOUT_GPU()                                                                  \
-  do {                                                                                      \
-    int count_ = 0;                                                                         \
-    const cudaError_t err_ = cudaGetDeviceCount(&count_);                                   \
-    if (err_ != cudaSuccess || count_ == 0) {                                               \
-      GTEST_SKIP() << "no CUDA GPU visible: "                                               \
-                   << (err_ != cudaSuccess ? cudaGetErrorString(err_) : "0 devices found"); \
-    }                                                                                       \
-  } while (0)
-
-#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
-
-uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
-
-float from_bf16(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+constexpr auto from_bf16 = pounce::reference::bf16_bits_to_float;  // exact
+constexpr auto to_bf16 = pounce::reference::float_to_bf16_bits;    // round to nearest even
 
 // Uniform in [-scale, scale], never zero, rounded to bf16.
-std::vector<uint16_t> random_bf16(size_t count, uint32_t seed, float scale) {
+std::vector<uint16_t> nonzero_random_bf16(size_t count, uint32_t seed, float scale) {
   std::mt19937 gen(seed);
   std::uniform_real_distribution<float> dist(-scale, scale);
   std::vector<uint16_t> out(count);
@@ -86,25 +66,6 @@ float bf16_ulp(float x) {
   std::frexp(std::fabs(x), &e);  // |x| in [2^(e-1), 2^e)
   return std::ldexp(1.0f, e - 8);
 }
-
-template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  explicit DeviceBuffer(size_t count) {
-    if (cudaMalloc(&ptr, count * sizeof(T) + 16) != cudaSuccess) ptr = nullptr;
-  }
-  // A copy of `host`; ptr stays null when the allocation or the copy fails.
-  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) {
-    if (ptr != nullptr &&
-        cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice) != cudaSuccess) {
-      cudaFree(ptr);
-      ptr = nullptr;
-    }
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
 
 struct Problem {
   std::vector<int32_t> rows_per_group;  // multiples of 128, zeros allowed
@@ -183,14 +144,12 @@ GroupedRows grouped_rows(const Problem& p, const int32_t* d_off, const int32_t* 
 
 // Rows [valid, max_rows) of a [max_rows, n] output must still hold the poison pattern.
 int64_t count_unpoisoned_tail(const std::vector<uint16_t>& out, int64_t valid_rows, int64_t n) {
-  int64_t bad = 0;
-  for (size_t i = static_cast<size_t>(valid_rows * n); i < out.size(); ++i) bad += out[i] != kPoison;
-  return bad;
+  return count_unpoisoned(out.data() + valid_rows * n, out.data() + out.size());
 }
 
 // Rows [0, first_row) of a [max_rows, n] output must still hold the poison pattern (a launch over a slice).
 int64_t count_unpoisoned_head(const std::vector<uint16_t>& out, int64_t first_row, int64_t n) {
-  return std::count_if(out.begin(), out.begin() + first_row * n, [](uint16_t v) { return v != kPoison; });
+  return count_unpoisoned(out.data(), out.data() + first_row * n);
 }
 
 // `max_ctas` caps the grid (CTAs loop over tiles). With data rows, the A rows of a tile's upper half that
@@ -200,7 +159,7 @@ int64_t count_unpoisoned_head(const std::vector<uint16_t>& out, int64_t first_ro
 void run_grouped_gemm(const Problem& p, int max_ctas = 0) {
   const auto off = p.offsets();
   const int num_groups = static_cast<int>(p.rows_per_group.size());
-  auto a = random_bf16(static_cast<size_t>(p.max_rows * p.k), 1234, 1.0f);
+  auto a = nonzero_random_bf16(static_cast<size_t>(p.max_rows * p.k), 1234, 1.0f);
   zero_padding_rows(p, a, p.k);
   auto a_device = a;
   int64_t skipped_halves = 0;
@@ -214,7 +173,7 @@ void run_grouped_gemm(const Problem& p, int max_ctas = 0) {
     }
   }
   if (!p.data_rows.empty()) ASSERT_GT(skipped_halves, 0) << "the case has no upper half without data";
-  const auto b = random_bf16(static_cast<size_t>(num_groups * p.n * p.k), 5678, 0.25f);
+  const auto b = nonzero_random_bf16(static_cast<size_t>(num_groups * p.n * p.k), 5678, 0.25f);
   DeviceBuffer<uint16_t> d_a(a.size()), d_b(b.size()), d_c(static_cast<size_t>(p.max_rows * p.n));
   DeviceBuffer<int32_t> d_off(off.size()), d_data_rows(p.data_rows);
   ASSERT_TRUE(d_a.ptr && d_b.ptr && d_c.ptr && d_off.ptr && d_data_rows.ptr);
@@ -233,7 +192,7 @@ void run_grouped_gemm(const Problem& p, int max_ctas = 0) {
     CUDA_OK(cudaMemcpy(second.data(), d_c.ptr, out_count * 2, cudaMemcpyDeviceToHost));
     if (run == 0) first = second;
   }
-  ASSERT_EQ(std::memcmp(first.data(), second.data(), out_count * 2), 0) << "two runs differ (nondeterminism)";
+  ASSERT_EQ(bitwise_difference("C", first, second), "") << "two runs differ (nondeterminism)";
   EXPECT_EQ(count_unpoisoned_tail(first, off.back(), p.n), 0) << "rows beyond the valid range were written";
 
   int failures = 0;
@@ -252,10 +211,10 @@ void run_gate_up(const Problem& p, const ActivationParams& act) {
   const auto off = p.offsets();
   const int num_groups = static_cast<int>(p.rows_per_group.size());
   const size_t w_count = static_cast<size_t>(num_groups * p.n * p.k);
-  auto a = random_bf16(static_cast<size_t>(p.max_rows * p.k), 42, 1.0f);
+  auto a = nonzero_random_bf16(static_cast<size_t>(p.max_rows * p.k), 42, 1.0f);
   zero_padding_rows(p, a, p.k);
-  const auto wg = random_bf16(w_count, 43, 0.25f);
-  const auto wu = random_bf16(w_count, 44, 0.25f);
+  const auto wg = nonzero_random_bf16(w_count, 43, 0.25f);
+  const auto wu = nonzero_random_bf16(w_count, 44, 0.25f);
   const size_t out_count = static_cast<size_t>(p.max_rows * p.n);
   DeviceBuffer<uint16_t> d_a(a.size()), d_wg(w_count), d_wu(w_count);
   DeviceBuffer<uint16_t> d_g(out_count), d_u(out_count), d_act(out_count);
@@ -281,7 +240,10 @@ void run_gate_up(const Problem& p, const ActivationParams& act) {
       CUDA_OK(cudaMemcpy(host->data(), dev, out_count * 2, cudaMemcpyDeviceToHost));
     }
   }
-  ASSERT_TRUE(g[0] == g[1] && u[0] == u[1] && y[0] == y[1]) << "two runs differ (nondeterminism)";
+  ASSERT_EQ(bitwise_difference("g", g[0], g[1]) + bitwise_difference("u", u[0], u[1]) +
+                bitwise_difference("act", y[0], y[1]),
+            "")
+      << "two runs differ (nondeterminism)";
   EXPECT_EQ(count_unpoisoned_tail(g[0], off.back(), p.n), 0) << "g: rows beyond the valid range were written";
   EXPECT_EQ(count_unpoisoned_tail(u[0], off.back(), p.n), 0) << "u: rows beyond the valid range were written";
   EXPECT_EQ(count_unpoisoned_tail(y[0], off.back(), p.n), 0)
@@ -310,11 +272,6 @@ void run_gate_up(const Problem& p, const ActivationParams& act) {
 
 // ---- backward kinds ----
 
-template <typename T>
-void upload(const DeviceBuffer<T>& device, const std::vector<T>& host) {
-  CUDA_OK(cudaMemcpy(device.ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-}
-
 // Twice: `out` poisoned (or set to `start`), `launch`, GEMM error flag checked, `count` elements read back;
 // the two runs must be bitwise equal. Call through ASSERT_NO_FATAL_FAILURE.
 template <typename T>
@@ -323,7 +280,7 @@ void run_twice(const std::function<void()>& launch, const DeviceBuffer<T>& out, 
   std::vector<T> runs[2];
   for (int run = 0; run < 2; ++run) {
     if (start != nullptr) {
-      upload(out, *start);
+      out.upload(*start);
     } else {
       CUDA_OK(cudaMemset(out.ptr, 0xFF, count * sizeof(T)));
     }
@@ -333,8 +290,7 @@ void run_twice(const std::function<void()>& launch, const DeviceBuffer<T>& out, 
     runs[run].resize(count);
     CUDA_OK(cudaMemcpy(runs[run].data(), out.ptr, count * sizeof(T), cudaMemcpyDeviceToHost));
   }
-  ASSERT_EQ(std::memcmp(runs[0].data(), runs[1].data(), count * sizeof(T)), 0)
-      << "two runs differ (nondeterminism)";
+  ASSERT_EQ(bitwise_difference("output", runs[0], runs[1]), "") << "two runs differ (nondeterminism)";
   result = std::move(runs[0]);
 }
 
@@ -407,11 +363,11 @@ void run_activation_backward(const Problem& p, const ActivationParams& act, int 
   const auto off = p.offsets();
   const int num_groups = static_cast<int>(p.rows_per_group.size());
   const int64_t n = p.n, k = p.k, d_ld = 2 * n;
-  auto a = random_bf16(static_cast<size_t>(p.max_rows * k), 71, 1.0f);
+  auto a = nonzero_random_bf16(static_cast<size_t>(p.max_rows * k), 71, 1.0f);
   zero_padding_rows(p, a, k);
-  const auto w = random_bf16(static_cast<size_t>(num_groups * k * n), 72, 0.25f);
-  const auto g = random_bf16(static_cast<size_t>(p.max_rows * n), 73, 2.0f);  // reaches a clamp at 1
-  const auto u = random_bf16(static_cast<size_t>(p.max_rows * n), 74, 2.0f);
+  const auto w = nonzero_random_bf16(static_cast<size_t>(num_groups * k * n), 72, 0.25f);
+  const auto g = nonzero_random_bf16(static_cast<size_t>(p.max_rows * n), 73, 2.0f);  // reaches a clamp at 1
+  const auto u = nonzero_random_bf16(static_cast<size_t>(p.max_rows * n), 74, 2.0f);
   const size_t out_count = static_cast<size_t>(p.max_rows * d_ld);
   DeviceBuffer<uint16_t> d_a(a), d_w(w), d_g_in(g), d_u_in(u), d_out(out_count);
   DeviceBuffer<int32_t> d_off(off), d_data_rows(p.data_rows);
@@ -432,7 +388,7 @@ void run_activation_backward(const Problem& p, const ActivationParams& act, int 
         d_out, out_count, outs[s]));
     check_activation_backward(p, act, first_group, a, w, g, u, outs[s]);
   }
-  EXPECT_EQ(std::memcmp(outs[0].data(), outs[1].data(), out_count * sizeof(uint16_t)), 0)
+  EXPECT_EQ(bitwise_difference("[d_g, d_u]", outs[0], outs[1]), "")
       << "the ping-pong and cooperative tiles differ";
 }
 
@@ -443,10 +399,10 @@ void run_gemm_transposed(const Problem& p, int64_t k_split, int first_group = 0,
   const auto off = p.offsets();
   const int num_groups = static_cast<int>(p.rows_per_group.size());
   const int64_t n = p.n, k = p.k, k1 = k - k_split;
-  auto a = random_bf16(static_cast<size_t>(p.max_rows * k), 75, 1.0f);
+  auto a = nonzero_random_bf16(static_cast<size_t>(p.max_rows * k), 75, 1.0f);
   zero_padding_rows(p, a, k);
-  const auto b0 = random_bf16(static_cast<size_t>(num_groups * k_split * n), 76, 0.25f);
-  const auto b1 = random_bf16(static_cast<size_t>(num_groups * k1 * n), 77, 0.25f);
+  const auto b0 = nonzero_random_bf16(static_cast<size_t>(num_groups * k_split * n), 76, 0.25f);
+  const auto b1 = nonzero_random_bf16(static_cast<size_t>(num_groups * k1 * n), 77, 0.25f);
   const size_t out_count = static_cast<size_t>(p.max_rows * n);
   DeviceBuffer<uint16_t> d_a(a), d_b0(b0), d_b1(b1), d_c(out_count);
   DeviceBuffer<int32_t> d_off(off), d_data_rows(p.data_rows);
@@ -485,10 +441,11 @@ struct WeightGradRuns {
   std::vector<float> store32, accumulated;
   std::vector<uint16_t> store16;
 };
-bool same_bits(const WeightGradRuns& x, const WeightGradRuns& y) {
-  return std::memcmp(x.store32.data(), y.store32.data(), x.store32.size() * 4) == 0 &&
-         std::memcmp(x.store16.data(), y.store16.data(), x.store16.size() * 2) == 0 &&
-         std::memcmp(x.accumulated.data(), y.accumulated.data(), x.accumulated.size() * 4) == 0;
+// "" when every mode's result of `x` and `y` is bitwise the same.
+std::string runs_difference(const WeightGradRuns& x, const WeightGradRuns& y) {
+  return bitwise_difference("fp32 store", x.store32, y.store32) +
+         bitwise_difference("bf16 store", x.store16, y.store16) +
+         bitwise_difference("accumulate", x.accumulated, y.accumulated);
 }
 void run_weight_grad_modes(const GroupedRows& rows, const uint16_t* a, int64_t a_ld, int64_t m,
                            const uint16_t* b, int64_t b_ld, int64_t n, const std::vector<float>& prefill,
@@ -526,8 +483,8 @@ void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_row
   const auto off = problem.offsets();
   const int num_groups = static_cast<int>(rows_per_group.size());
   const int64_t a_ld = 2 * m, b_ld = n + 64;
-  auto a = random_bf16(static_cast<size_t>(max_rows * a_ld), 81, 1.0f);
-  auto b = random_bf16(static_cast<size_t>(max_rows * b_ld), 82, 1.0f);
+  auto a = nonzero_random_bf16(static_cast<size_t>(max_rows * a_ld), 81, 1.0f);
+  auto b = nonzero_random_bf16(static_cast<size_t>(max_rows * b_ld), 82, 1.0f);
   for (int64_t r = 0; r < max_rows; ++r) {
     std::fill_n(a.begin() + r * a_ld, r < off.back() ? m : a_ld, kPoison);
     if (r >= off.back()) std::fill_n(b.begin() + r * b_ld, b_ld, kPoison);
@@ -553,7 +510,7 @@ void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_row
     ASSERT_NO_FATAL_FAILURE(run_weight_grad_modes(
         grouped_rows(problem, d_off.ptr, d_data_rows.ptr, 0, max_ctas), d_a.ptr + m, a_ld, m, d_b.ptr, b_ld,
         n, prefill, cooperative, pounce::kernels::TileSchedule::kCooperative));
-    EXPECT_TRUE(same_bits(runs, cooperative)) << "ping-pong and cooperative tiles summed differently";
+    EXPECT_EQ(runs_difference(runs, cooperative), "") << "ping-pong and cooperative tiles summed differently";
   }
   if (!data_rows.empty()) {
     using pounce::kernels::TileSchedule;
@@ -562,7 +519,7 @@ void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_row
       WeightGradRuns every_row;
       ASSERT_NO_FATAL_FAILURE(run_weight_grad_modes({max_rows, d_off.ptr, num_groups, max_ctas}, d_a.ptr + m,
                                                     a_ld, m, d_b.ptr, b_ld, n, prefill, every_row, schedule));
-      EXPECT_TRUE(same_bits(runs, every_row))
+      EXPECT_EQ(runs_difference(runs, every_row), "")
           << schedule_name(schedule) << ": skipping the K blocks past the data changed a weight gradient";
     }
     // B rows of the K blocks wholly past the data set to NaN: the sums stay finite (bitwise the same) only if
@@ -575,13 +532,13 @@ void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_row
         std::fill_n(b_nan.begin() + r * b_ld, n, kPoison);
     }
     ASSERT_GT(nan_rows, 0) << "the case has no K block past its data";
-    upload(d_b, b_nan);
+    d_b.upload(b_nan);
     for (const TileSchedule schedule : schedules) {
       WeightGradRuns skipped_nan;
       ASSERT_NO_FATAL_FAILURE(
           run_weight_grad_modes(grouped_rows(problem, d_off.ptr, d_data_rows.ptr, 0, max_ctas), d_a.ptr + m,
                                 a_ld, m, d_b.ptr, b_ld, n, prefill, skipped_nan, schedule));
-      EXPECT_TRUE(same_bits(runs, skipped_nan))
+      EXPECT_EQ(runs_difference(runs, skipped_nan), "")
           << schedule_name(schedule) << ": a K block past the data was read";
     }
   }
@@ -620,7 +577,7 @@ void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_row
         if (store16[at] != to_bf16(got))
           fail("bf16 " + std::to_string(from_bf16(store16[at])) + " is not the fp32 result rounded", g, i, j);
         const float want = prefill[at] + got;
-        if (std::memcmp(&accumulated[at], &want, sizeof(float)) != 0)
+        if (!same_bits(accumulated[at], want))
           fail("accumulated " + std::to_string(accumulated[at]) + " is not prefill + fp32 result " +
                    std::to_string(want),
                g, i, j);
@@ -631,19 +588,19 @@ void run_weight_grad(const std::vector<int32_t>& rows_per_group, int64_t max_row
 }
 
 TEST(GroupedGemm, EmptyGroupsEdgeTileAndPoisonedTail) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   // n = 192: one 256-wide tile with its last 64 columns masked; first, middle and last groups empty.
   run_grouped_gemm(Problem{{0, 256, 0, 128, 384, 0}, 1024, 192, 320});
 }
 
 TEST(GroupedGemm, LastTileOfTwoChunks) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   // n = 384: the second 256-wide tile holds 128 columns, two of its four 64-column store chunks.
   run_grouped_gemm(Problem{{128, 0, 256}, 512, 384, 192});
 }
 
 TEST(GroupedGemm, ManyGroupsMoreTilesThanSms) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   std::vector<int32_t> sizes;
   for (int g = 0; g < 37; ++g) sizes.push_back(128 * ((g * 5) % 7));  // 0..768 rows, several empty
   const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
@@ -651,17 +608,17 @@ TEST(GroupedGemm, ManyGroupsMoreTilesThanSms) {
 }
 
 TEST(GroupedGemm, SingleGroupDeepK) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   run_grouped_gemm(Problem{{1152}, 1280, 512, 2048, 3});
 }
 
 TEST(GroupedGemm, AllGroupsEmptyTouchesNothing) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   run_grouped_gemm(Problem{{0, 0, 0}, 256, 256, 128});
 }
 
 TEST(GroupedGemm, RejectsUnsupportedShapes) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   const GroupedRows rows{128, reinterpret_cast<const int32_t*>(16), 1};
   EXPECT_THROW(pounce::kernels::grouped_gemm(rows, reinterpret_cast<void*>(16), reinterpret_cast<void*>(16),
                                              reinterpret_cast<void*>(16), 100, 128, nullptr),
@@ -672,28 +629,28 @@ TEST(GroupedGemm, RejectsUnsupportedShapes) {
 }
 
 TEST(GroupedGateUp, SwiGLUClampEdgeTileEmptyGroup) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   // n = 192 with 128-wide gate/up tiles: the second tile is half masked.
   run_gate_up(Problem{{128, 0, 256}, 512, 192, 256},
               ActivationParams{pounce::kernels::kActivationSwiGLU, 0.5f, 1.f});
 }
 
 TEST(GroupedGateUp, SwiGLUNoClamp) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   run_gate_up(
       Problem{{256, 128}, 384, 768, 512, 2},
       ActivationParams{pounce::kernels::kActivationSwiGLU, std::numeric_limits<float>::infinity(), 1.f});
 }
 
 TEST(GroupedGateUp, GptOssClampN2880) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   // gpt-oss-120b widths: n = k = 2880 (22.5 tiles of 128), sampled rows.
   run_gate_up(Problem{{128, 0, 128}, 384, 2880, 2880, 11},
               ActivationParams{pounce::kernels::kActivationGptOss, 0.75f, 1.702f});
 }
 
 TEST(GroupedActivationBackward, SwiGLUPartialTileEmptyGroup) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   // n = 192: the 256-wide tile has its last 64 columns masked; k = 320: five K blocks; spare capacity.
   run_activation_backward(
       Problem{{128, 0, 384}, 640, 192, 320},
@@ -703,31 +660,31 @@ TEST(GroupedActivationBackward, SwiGLUPartialTileEmptyGroup) {
 // A pipeline chunk: groups 1..3 of 4 (its first group empty), rows of group 0 untouched; 3 CTAs loop over
 // the tiles.
 TEST(GroupedActivationBackward, GptOssClampSliceOfGroupsCappedGrid) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   run_activation_backward(Problem{{256, 0, 128, 256}, 768, 320, 256},
                           ActivationParams{pounce::kernels::kActivationGptOss, 1.0f, 1.702f}, 1, 3);
 }
 
 TEST(GroupedGemmTransposed, KSplitOverTwoTensorsPartialTile) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   // d_x shape: n = H = 320 (256 + a 64-column tile), k = 2I = 384 split at I = 192.
   run_gemm_transposed(Problem{{256, 0, 128, 384}, 896, 320, 384}, 192);
 }
 
 TEST(GroupedGemmTransposed, OneTensorWhenKSplitIsKSliceOfGroupsCappedGrid) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   run_gemm_transposed(Problem{{128, 256, 0, 128}, 640, 192, 256}, 256, 1, 2);
 }
 
 TEST(GroupedWeightGrad, ThreeModesEmptyGroupPartialTiles) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   // m = 192 and n = 320: partial tiles in both output dimensions; groups of 128, 0, 384 and 256 rows.
   run_weight_grad({128, 0, 384, 256}, 1024, 192, 320);
 }
 
 // 4 groups x 2 m-blocks x 2 n-blocks on a grid capped at 5 CTAs: each CTA loops over several tiles.
 TEST(GroupedWeightGrad, FiveCtasLoopOverSixteenTiles) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   run_weight_grad({256, 0, 128, 128}, 640, 192, 320, 5);
 }
 
@@ -736,7 +693,7 @@ TEST(GroupedWeightGrad, FiveCtasLoopOverSixteenTiles) {
 // inside one tile (a stage handed back before its wgmmas finished would be overwritten while read), and the
 // uneven counts start tiles at different stages.
 TEST(GroupedWeightGrad, OneCtaTakesTurnsOverUnevenTiles) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   run_weight_grad({128, 0, 384, 896}, 1536, 192, 320, 1, {40, 0, 384, 830});
 }
 
@@ -744,37 +701,37 @@ TEST(GroupedWeightGrad, OneCtaTakesTurnsOverUnevenTiles) {
 // data (its second consumer warpgroup skips), 200 of 256 does not; n = 1088 ends in a 64-column tile; 3 CTAs
 // loop over the 30 tiles, so a warpgroup that skipped runs into its next tile ahead of the other.
 TEST(GroupedGemm, PaddingRowsSkippedNarrowEdgeTile) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   run_grouped_gemm(Problem{{256, 128, 0, 384}, 896, 1088, 256, 1, {200, 40, 0, 320}}, 3);
 }
 
 TEST(GroupedGateUp, GptOssDataRowsComputedWhole) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   // Gate/up computes its padding rows (mma_columns): zero rows of A still give zeros there.
   run_gate_up(Problem{{128, 0, 256}, 512, 192, 256, 1, {60, 0, 250}},
               ActivationParams{pounce::kernels::kActivationGptOss, 1.0f, 1.702f});
 }
 
 TEST(GroupedActivationBackward, DataRowsComputedWholeSliceOfGroups) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   run_activation_backward(Problem{{256, 128, 128, 256}, 768, 320, 256, 1, {256, 10, 64, 129}},
                           ActivationParams{pounce::kernels::kActivationGptOss, 1.0f, 1.702f}, 1, 3);
 }
 
 TEST(GroupedGemmTransposed, PaddingRowsSkippedSliceOfGroups) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   run_gemm_transposed(Problem{{128, 256, 0, 128}, 640, 320, 384, 1, {1, 190, 0, 65}}, 192, 1, 2);
 }
 
 // K blocks past the data skipped: 130 of 256 rows (3 of 4 K blocks), 60 of 128, 300 of 384, an empty group;
 // the sums must stay bitwise the same with NaN in the skipped K blocks of B.
 TEST(GroupedWeightGrad, PaddingRowsSkippedBitwise) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   run_weight_grad({256, 128, 0, 384}, 1024, 192, 320, 5, {130, 60, 0, 300});  // 5 CTAs, 16 tiles
 }
 
 TEST(GroupedWeightGrad, ZeroCapacityStillOwesZeros) {
-  SKIP_WITHOUT_GPU();
+  SKIP_UNLESS_GPUS(1);
   const int64_t m = 64, n = 128, count = 2 * m * n;
   DeviceBuffer<uint16_t> d_rows(64);
   DeviceBuffer<int32_t> d_off(std::vector<int32_t>(3, 0));

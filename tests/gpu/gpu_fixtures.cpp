@@ -1,6 +1,8 @@
-#include "staged_fixtures.h"
+#include "gpu_fixtures.h"
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <numeric>
 #include <sstream>
@@ -9,10 +11,12 @@
 
 #include "reference/bf16.h"
 
-namespace pounce::staged_test {
+namespace pounce::gpu_test {
 
 using reference::bf16_bits_to_float;
 using reference::float_to_bf16_bits;
+
+// ---- GPUs ----
 
 int visible_gpus() {
   int count = 0;
@@ -23,11 +27,72 @@ int visible_gpus() {
   return count;
 }
 
+std::vector<int> visible_rank_counts(std::initializer_list<int> wanted) {
+  std::vector<int> counts;
+  for (int R : wanted) {
+    if (R <= visible_gpus()) counts.push_back(R);
+  }
+  return counts;
+}
+
+std::string gpu_skip_reason(int needed) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("no CUDA GPU visible (cudaGetDeviceCount: ") + cudaGetErrorString(status) +
+           "): GPU test skipped";
+  }
+  if (count == 0) return "no CUDA GPU visible (cudaGetDeviceCount found none): GPU test skipped";
+  if (count < needed)
+    return "needs " + std::to_string(needed) + " GPUs, " + std::to_string(count) + " visible: skipped";
+  return "";
+}
+
 void cuda_ok(cudaError_t status, const char* what) {
   if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
 }
 
+std::string current_test_name() {
+  const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return info != nullptr ? info->name() : "";
+}
+
+ScopedEnv::ScopedEnv(const char* name, const char* value) : name_(name) {
+  if (const char* previous = std::getenv(name)) saved_ = previous;
+  setenv(name, value, 1);
+}
+
+ScopedEnv::~ScopedEnv() {
+  if (saved_) {
+    setenv(name_.c_str(), saved_->c_str(), 1);
+  } else {
+    unsetenv(name_.c_str());
+  }
+}
+
 // ---- problem description ----
+
+Call random_routing(std::vector<int64_t> num_tokens, uint32_t seed) {
+  return {std::move(num_tokens), Routing::kRandom, false, seed};
+}
+
+Call all_to_one_expert(std::vector<int64_t> num_tokens, uint32_t seed) {
+  return {std::move(num_tokens), Routing::kAllToOneExpert, false, seed};
+}
+
+Call few_experts(std::vector<int64_t> num_tokens, uint32_t seed) {
+  return {std::move(num_tokens), Routing::kFewExperts, false, seed};
+}
+
+Call sparse_routing(std::vector<int64_t> num_tokens, uint32_t seed) {
+  return {std::move(num_tokens), Routing::kSparse, false, seed};
+}
+
+Call with_int64_idx(Call call) {
+  call.idx_int64 = true;
+  return call;
+}
 
 Shape make_shape(int64_t max_tokens, int64_t H, int64_t I, int64_t E, int64_t k, int64_t Is, int64_t R) {
   Shape s;
@@ -39,6 +104,11 @@ Shape make_shape(int64_t max_tokens, int64_t H, int64_t I, int64_t E, int64_t k,
   s.shared_intermediate = Is;
   s.num_ranks = R;
   return s;
+}
+
+Activation clamped(Activation activation, float limit) {
+  activation.clamp_limit = limit;
+  return activation;
 }
 
 std::vector<uint16_t> random_bf16(size_t count, std::mt19937& gen, float scale) {
@@ -118,12 +188,54 @@ std::vector<std::vector<RankData>> make_call_data(const Shape& shape, const std:
   return data;
 }
 
+// ---- cases that several test files share ----
+
+std::vector<int64_t> tokens_per_rank(int num_ranks, int64_t rank0, int64_t rank1) {
+  return num_ranks == 2 ? std::vector<int64_t>{rank0, rank1} : std::vector<int64_t>{rank0};
+}
+
+std::vector<Call> many_rank_calls(int num_ranks, int64_t max_tokens, int64_t few_tokens,
+                                  uint32_t first_seed) {
+  std::vector<int64_t> uneven(num_ranks);
+  for (int r = 0; r < num_ranks; ++r) uneven[r] = (r * 97) % (max_tokens + 1);
+  return {random_routing(uneven, first_seed),
+          with_int64_idx(all_to_one_expert(std::vector<int64_t>(num_ranks, max_tokens), first_seed + 1)),
+          few_experts(std::vector<int64_t>(num_ranks, few_tokens), first_seed + 2)};
+}
+
+std::vector<Call> graph_calls(int num_ranks, uint32_t first_seed) {
+  const std::vector<int64_t> tokens =
+      num_ranks == 2 ? std::vector<int64_t>{256, 190} : std::vector<int64_t>{190};
+  return {random_routing(tokens, first_seed), all_to_one_expert(tokens, first_seed + 1),
+          sparse_routing(tokens, first_seed + 2)};
+}
+
+int64_t smallest_ring(const Shape& shape) {
+  return (shape.num_ranks * shape.max_tokens + kBlockM - 1) / kBlockM * kBlockM;
+}
+
+void for_each_fused_variant(
+    const std::function<void(int num_ranks, const Config& tuning, const std::string& label)>& body) {
+  for (int R : visible_rank_counts({1, 2})) {
+    for (CombineMode combine : {CombineMode::kPush, CombineMode::kScatter}) {
+      for (int64_t minibatch : {int64_t{kBlockM}, int64_t{0}}) {
+        Config tuning;
+        tuning.combine = combine;
+        tuning.minibatch_size = minibatch;
+        body(R, tuning,
+             " ranks " + std::to_string(R) + " combine " + to_string(combine) + " minibatch " +
+                 std::to_string(minibatch));
+      }
+    }
+  }
+}
+
 // ---- reference ----
 
-ReferenceCase make_reference_case(const Model& m, const std::vector<RankData>& data) {
+reference::testing::Case make_reference_case(const Model& m, const std::vector<RankData>& data) {
   const Shape& s = m.shape;
   const int64_t R = s.num_ranks, El = s.num_local_experts(), I = s.intermediate, H = s.hidden;
-  ReferenceCase c;
+  reference::testing::Case c;
   reference::Problem& p = c.problem;
   p.hidden = H;
   p.intermediate = I;
@@ -157,39 +269,39 @@ ReferenceCase make_reference_case(const Model& m, const std::vector<RankData>& d
 
 // ---- device buffers ----
 
-DeviceInputs::DeviceInputs(const Shape& s) {
-  x = device_copy(std::vector<uint16_t>{}, s.max_tokens * s.hidden);
-  idx = device_copy(std::vector<int64_t>{}, s.max_tokens * s.num_topk);
-  weights = device_copy(std::vector<float>{}, s.max_tokens * s.num_topk);
-  out = device_copy(std::vector<uint16_t>{}, s.max_tokens * s.hidden);
+void poison(void* ptr, size_t bytes, cudaStream_t stream) {
+  if (bytes > 0) CUDA_OK(cudaMemsetAsync(ptr, 0xFF, bytes, stream));
 }
 
-DeviceInputs::~DeviceInputs() {
-  for (void* b : {x, idx, static_cast<void*>(weights), out}) cudaFree(b);
-}
+DeviceInputs::DeviceInputs(const Shape& s)
+    : x(s.max_tokens * s.hidden),
+      idx(s.max_tokens * s.num_topk),
+      weights(s.max_tokens * s.num_topk),
+      out(s.max_tokens * s.hidden) {}
 
 // Pageable host memory is staged before cudaMemcpyAsync returns, so the host vectors may go at once.
 void DeviceInputs::upload(const Shape& s, const RankData& d, bool idx_int64, cudaStream_t stream) {
   const int64_t T = static_cast<int64_t>(d.x.size()) / s.hidden;
   if (T == 0) return;
-  CUDA_OK(cudaMemcpyAsync(x, d.x.data(), d.x.size() * 2, cudaMemcpyHostToDevice, stream));
+  CUDA_OK(cudaMemcpyAsync(x.ptr, d.x.data(), d.x.size() * 2, cudaMemcpyHostToDevice, stream));
   if (idx_int64) {
     const std::vector<int64_t> wide(d.topk_idx.begin(), d.topk_idx.end());
-    CUDA_OK(cudaMemcpyAsync(idx, wide.data(), wide.size() * 8, cudaMemcpyHostToDevice, stream));
+    CUDA_OK(cudaMemcpyAsync(idx.ptr, wide.data(), wide.size() * 8, cudaMemcpyHostToDevice, stream));
   } else {
-    CUDA_OK(cudaMemcpyAsync(idx, d.topk_idx.data(), d.topk_idx.size() * 4, cudaMemcpyHostToDevice, stream));
+    CUDA_OK(
+        cudaMemcpyAsync(idx.ptr, d.topk_idx.data(), d.topk_idx.size() * 4, cudaMemcpyHostToDevice, stream));
   }
-  CUDA_OK(cudaMemcpyAsync(weights, d.topk_weights.data(), d.topk_weights.size() * 4, cudaMemcpyHostToDevice,
-                          stream));
+  CUDA_OK(cudaMemcpyAsync(weights.ptr, d.topk_weights.data(), d.topk_weights.size() * 4,
+                          cudaMemcpyHostToDevice, stream));
 }
 
 ForwardArgs DeviceInputs::args(const Shape& s, int64_t T, bool idx_int64, int device) const {
   ForwardArgs a;
-  a.x = TensorView(x, DType::kBF16, {T, s.hidden}, DeviceKind::kCuda, device);
-  a.topk_idx =
-      TensorView(idx, idx_int64 ? DType::kInt64 : DType::kInt32, {T, s.num_topk}, DeviceKind::kCuda, device);
-  a.topk_weights = TensorView(weights, DType::kFP32, {T, s.num_topk}, DeviceKind::kCuda, device);
-  a.out = TensorView(out, DType::kBF16, {T, s.hidden}, DeviceKind::kCuda, device);
+  a.x = TensorView(x.ptr, DType::kBF16, {T, s.hidden}, DeviceKind::kCuda, device);
+  a.topk_idx = TensorView(idx.ptr, idx_int64 ? DType::kInt64 : DType::kInt32, {T, s.num_topk},
+                          DeviceKind::kCuda, device);
+  a.topk_weights = TensorView(weights.ptr, DType::kFP32, {T, s.num_topk}, DeviceKind::kCuda, device);
+  a.out = TensorView(out.ptr, DType::kBF16, {T, s.hidden}, DeviceKind::kCuda, device);
   return a;
 }
 
@@ -198,10 +310,9 @@ DeviceWeights::DeviceWeights(const Model& m, int rank, int device) {
   const int64_t El = s.num_local_experts(), I = s.intermediate, H = s.hidden, Is = s.shared_intermediate;
   auto upload = [&](const std::vector<uint16_t>& w, int64_t begin, int64_t count,
                     std::vector<int64_t> shape) {
-    const std::vector<uint16_t> part(w.begin() + begin, w.begin() + begin + count);
-    void* ptr = device_copy(part, part.size());
-    buffers.push_back(ptr);
-    return TensorView(ptr, DType::kBF16, std::move(shape), DeviceKind::kCuda, device);
+    buffers.push_back(std::make_unique<DeviceBuffer<uint16_t>>(
+        std::vector<uint16_t>(w.begin() + begin, w.begin() + begin + count)));
+    return TensorView(buffers.back()->ptr, DType::kBF16, std::move(shape), DeviceKind::kCuda, device);
   };
   routed.gate = upload(m.gate, rank * El * I * H, El * I * H, {El, I, H});
   routed.up = upload(m.up, rank * El * I * H, El * I * H, {El, I, H});
@@ -213,9 +324,7 @@ DeviceWeights::DeviceWeights(const Model& m, int rank, int device) {
   }
 }
 
-DeviceWeights::~DeviceWeights() {
-  for (void* b : buffers) cudaFree(b);
-}
+// ---- rank threads ----
 
 void run_ranks(int num_ranks, const std::function<void(const Group& group, int rank)>& body) {
   std::vector<Group> groups = Group::create_nccl_local(num_ranks);
@@ -239,6 +348,34 @@ void run_ranks(int num_ranks, const std::function<void(const Group& group, int r
 }
 
 // ---- checks ----
+
+namespace {
+
+std::string hex_bits(const uint8_t* element, size_t element_bytes) {
+  std::string out = "0x";
+  char digits[3];
+  for (size_t i = element_bytes; i-- > 0;) {  // little-endian: the most significant byte last
+    std::snprintf(digits, sizeof(digits), "%02x", element[i]);
+    out += digits;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string bitwise_difference(const std::string& name, const void* a, size_t a_count, const void* b,
+                               size_t b_count, size_t element_bytes) {
+  if (a_count != b_count)
+    return name + ": " + std::to_string(a_count) + " vs " + std::to_string(b_count) + " elements";
+  const auto* x = static_cast<const uint8_t*>(a);
+  const auto* y = static_cast<const uint8_t*>(b);
+  if (a_count == 0 || std::memcmp(x, y, a_count * element_bytes) == 0) return "";
+  size_t i = 0;
+  while (std::memcmp(x + i * element_bytes, y + i * element_bytes, element_bytes) == 0) ++i;
+  return name + ": element " + std::to_string(i) + " differs bitwise (" +
+         hex_bits(x + i * element_bytes, element_bytes) + " vs " +
+         hex_bits(y + i * element_bytes, element_bytes) + ")";
+}
 
 std::string coordinate(const std::vector<int64_t>& dims, int64_t index) {
   std::vector<int64_t> at(dims.size());
@@ -278,4 +415,4 @@ std::string compare_close(const std::string& name, const std::vector<int64_t>& d
   return "";
 }
 
-}  // namespace pounce::staged_test
+}  // namespace pounce::gpu_test

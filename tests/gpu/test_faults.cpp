@@ -1,0 +1,182 @@
+// Fault and error paths (docs/design.md §6): each ends in an error the caller can read, never a hang, a trap,
+// a segfault or a write out of bounds, and the next call is clean. An out-of-range expert id (forward:
+// reported, nothing written; backward: skipped like a -1 slot, as the CPU reference is told); a peer that
+// never calls forward (rank 0's barrier wait times out with a record naming the barrier and the peer); a
+// token sending more rows than the smallest macrobatch ring holds (reported, slots poisoned, nothing routed
+// computed); a ring below one expert's rows (rejected when the workspace is created); backward without a
+// matching forward (rejected, as on the CPU backend). Results that are computed are checked against the CPU
+// reference through forward_harness.h and backward_harness.h.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backward_harness.h"
+#include "forward_harness.h"
+#include "gpu_fixtures.h"
+#include "pounce/pounce.h"
+#include "src/gpu_backend.h"
+#include "src/state.h"
+
+namespace pounce::gpu_test {
+namespace {
+
+TEST(Faults, ForwardOutOfRangeExpertIdIsReportedNotWritten) {
+  SKIP_UNLESS_GPUS(1);
+  const Model m = make_model(make_shape(64, 128, 64, 4, 2, 0, 1), Activation::swiglu(), 16);
+  Call bad = random_routing({64}, 31);
+  bad.bad_id = 1000;
+  Call good = random_routing({64}, 32);
+  std::vector<std::vector<RankData>> data = {{make_rank_data(m.shape, bad, 0)},
+                                             {make_rank_data(m.shape, good, 0)}};
+  const ForwardResults results = run_forward(m, data, {bad, good}, ForwardMode::kEagerTwice);
+  EXPECT_NE(results[0][0].error.find("topk_idx value out of range"), std::string::npos)
+      << results[0][0].error;
+  // The error was reported and cleared: the next call with valid routing succeeds.
+  check_forward_call(m, good, data[1], results[1], "after the bad call");
+}
+
+// The forward reports the bad id and skips that slot; backward then runs like the reference with -1 there,
+// writes nothing out of bounds, and the next call is clean.
+TEST(Faults, BackwardOutOfRangeExpertIdIsSkippedAndReported) {
+  SKIP_UNLESS_GPUS(1);
+  const Model m = make_model(make_shape(64, 256, 128, 8, 2, 0, 1), Activation::swiglu(), 101);
+  Call bad = random_routing({64}, 102);
+  bad.bad_id = 1000;
+  check_backward(m, {bad, random_routing({64}, 103)});
+}
+
+TEST(Faults, MissingPeerTimesOutWithARecordNotAHang) {
+  SKIP_UNLESS_GPUS(2);
+  const ScopedEnv timeout("POUNCE_PEER_TIMEOUT_S", "1");  // read once, when each workspace is created
+  const Model m = make_model(make_shape(64, 128, 64, 4, 2, 0, 2), Activation::swiglu(), 17);
+  const Call call = random_routing({64, 64}, 41);
+  std::string rank0_error, thread_error;
+  std::atomic<bool> rank0_done{false};
+  try {
+    run_ranks(2, [&](const Group& group, int rank) {
+      Workspace workspace(group, m.shape, Config{});
+      if (rank != 0) {  // rank 1 never calls forward: rank 0's barrier waits must time out
+        for (int wait = 0; wait < 3000 && !rank0_done.load(); ++wait) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        return;  // its symmetric memory stays allocated until rank 0 stopped writing into it
+      }
+      struct Done {
+        std::atomic<bool>& flag;
+        ~Done() { flag = true; }
+      } done{rank0_done};
+      DeviceWeights weights(m, rank, rank);
+      DeviceInputs in(m.shape);
+      in.upload(m.shape, make_rank_data(m.shape, call, rank), false, nullptr);
+      ForwardArgs args = in.args(m.shape, 64, false, rank);
+      args.routed = weights.routed;
+      forward(workspace, args, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      try {
+        gpu::check_device_errors(*workspace.state().gpu);
+      } catch (const Error& error) {
+        rank0_error = error.what();
+      }
+    });
+  } catch (const std::exception& error) {
+    thread_error = error.what();
+  }
+  ASSERT_EQ(thread_error, "");
+  EXPECT_NE(rank0_error.find("GPU wait timed out: rank 0 waited at the forward routing barrier for rank 1"),
+            std::string::npos)
+      << rank0_error;
+}
+
+// A token naming one expert in every slot sends it more rows than the smallest ring holds: the call reports
+// it, computes nothing routed, poisons the owners' slots (NaN outputs, never stale ones), writes nothing out
+// of bounds, and the next call is clean.
+TEST(Faults, MacrobatchOverflowIsReportedNotWritten) {
+  SKIP_UNLESS_GPUS(1);
+  const Model m = make_model(make_shape(128, 128, 64, 4, 2, 0, 1), Activation::swiglu(), 18);
+  Call crowded = random_routing({128}, 36);
+  Call good = random_routing({128}, 37);
+  std::vector<std::vector<RankData>> data = {{make_rank_data(m.shape, crowded, 0)},
+                                             {make_rank_data(m.shape, good, 0)}};
+  for (int32_t& e : data[0][0].topk_idx) e = 1;  // 256 rows for expert 1, the ring holds 128
+  for (const ForwardMode mode : {ForwardMode::kEagerTwice, ForwardMode::kStagedVsFused}) {
+    Config ringed;
+    ringed.macrobatch_size = smallest_ring(m.shape);  // kBlockM
+    const ForwardResults results = run_forward(m, data, {crowded, good}, mode, ringed);
+    EXPECT_NE(results[0][0].error.find("macrobatch overflow"), std::string::npos) << results[0][0].error;
+    // Every (token, slot) of the crowded call was poisoned with 0x7FC0 NaNs: its owner's sum is NaN, never a
+    // stale value (the fresh workspace's slots held zeros).
+    const std::vector<uint16_t>& slots = results[0][0].y_slots;
+    ASSERT_EQ(slots.size(), static_cast<size_t>(128 * 2 * 128));
+    EXPECT_EQ(std::count(slots.begin(), slots.end(), uint16_t{0x7FC0}), static_cast<long>(slots.size()))
+        << "an overflowing call must poison its slots";
+    check_forward_call(m, good, data[1], results[1], "after the overflowing call");
+  }
+}
+
+TEST(Faults, MacrobatchBelowOneExpertsRowsIsRejected) {
+  SKIP_UNLESS_GPUS(1);
+  const Shape s = make_shape(1024, 128, 64, 4, 2, 0, 1);
+  std::vector<Group> groups = Group::create_nccl_local(1);
+  Config config;
+  config.macrobatch_size = 4 * kBlockM;  // below max_tokens = 1024
+  try {
+    Workspace workspace(groups[0], s, config);
+    FAIL() << "a macrobatch below one expert's rows was accepted";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("macrobatch_size"), std::string::npos) << error.what();
+  }
+}
+
+// The CPU backend's contract (tests/cpu/test_api.cpp): backward needs the forward context of the same
+// tokens, and says so instead of computing from a stale or missing context.
+TEST(Faults, BackwardWithoutMatchingForwardIsRejected) {
+  SKIP_UNLESS_GPUS(1);
+  const Model m = make_model(make_shape(64, 256, 128, 8, 2, 0, 1), Activation::swiglu(), 111);
+  const Call call = random_routing({64}, 112);
+  const RankData d = make_rank_data(m.shape, call, 0);
+  std::string before_forward, mismatched_tokens;
+  run_ranks(1, [&](const Group& group, int rank) {
+    Workspace workspace(group, m.shape, Config{});
+    DeviceWeights weights(m, rank, rank);
+    DeviceInputs in(m.shape);
+    DeviceBackward grads(m.shape, rank);
+    in.upload(m.shape, d, false, nullptr);
+    grads.upload_d_out(d.d_out, nullptr);
+    auto args_for = [&](int64_t T) {
+      ForwardArgs fwd = in.args(m.shape, T, false, rank);
+      fwd.routed = weights.routed;
+      return fwd;
+    };
+    auto backward_error = [&](int64_t T) -> std::string {
+      try {
+        backward(workspace, grads.args(args_for(T), T, GradMode::kStoreF32), nullptr);
+        CUDA_OK(cudaDeviceSynchronize());
+        gpu::check_device_errors(*workspace.state().gpu);
+      } catch (const Error& error) {
+        return error.what();
+      }
+      return "";
+    };
+    before_forward = backward_error(64);
+    forward(workspace, args_for(64), nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    mismatched_tokens = backward_error(32);
+  });
+  EXPECT_NE(before_forward.find("run forward first"), std::string::npos)
+      << "backward before any forward must throw and say to run forward first; got '" << before_forward
+      << "'";
+  EXPECT_NE(mismatched_tokens.find("matching forward"), std::string::npos)
+      << "backward with 32 tokens after a forward of 64 must throw; got '" << mismatched_tokens << "'";
+}
+
+}  // namespace
+}  // namespace pounce::gpu_test
