@@ -1,5 +1,6 @@
 // Shared helpers for the reference tests: random cases, splitting one global batch over ranks, and a
 // plain per-token oracle that follows docs/design.md §1 literally (no schedule, no chunks, no threads).
+// The GPU tests state their problems for the reference as this file's Case too (tests/gpu/gpu_fixtures.h).
 #pragma once
 
 #include <gtest/gtest.h>
