@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/gemm/grouped_gemm.h"
+#include "src/gpu/grouped_gemm.h"
 
 namespace {
 

@@ -26,7 +26,7 @@
 #include "kernels/backward/reverse_combine.cuh"
 #include "kernels/dispatch/dispatch.cuh"
 #include "kernels/fused/fused_common.cuh"
-#include "kernels/gemm/gemm_operands.h"
+#include "kernels/gemm/gemm_operands.cuh"
 #include "kernels/sched/backward_tasks.cuh"
 
 namespace pounce::kernels::fused {

@@ -36,7 +36,7 @@
 #include "kernels/dispatch/dispatch.cuh"
 #include "kernels/fused/fused_common.cuh"
 #include "kernels/fused/grid_steps.cuh"
-#include "kernels/gemm/gemm_operands.h"
+#include "kernels/gemm/gemm_operands.cuh"
 #include "kernels/sched/forward_tasks.cuh"
 #include "kernels/sched/macrobatch_tasks.cuh"
 
@@ -54,7 +54,7 @@ struct FusedForwardParams {
   layout::WorkspacePointers ws;
   ForwardInputs in;  // x, routing, router weights, out
   // Operands (maps + arguments) of the four GEMMs, built on the host by the standalone launchers' builders
-  // (kernels/gemm/gemm_operands.h): routed over x_rows / act_rows [ring_rows, .] and the [El, ., .] weights,
+  // (src/gpu/gemm_operands.h): routed over x_rows / act_rows [ring_rows, .] and the [El, ., .] weights,
   // shared over sym_x / shared_act [token_capacity, .] (copies of the routed ones without a shared expert:
   // the list then has no shared tiles).
   kernels::GemmOperands gate_up, down, shared_gate_up, shared_down;

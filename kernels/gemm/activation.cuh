@@ -3,7 +3,7 @@
 // the staged GEMM epilogue and the fused kernel, so both round identically.
 #pragma once
 
-#include "kernels/gemm/grouped_gemm.h"
+#include "kernels/gemm/gemm_types.h"
 
 namespace pounce::kernels::gemm {
 

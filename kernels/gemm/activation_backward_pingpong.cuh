@@ -1,5 +1,5 @@
 // The activation backward with each consumer warpgroup on tiles of its own (sm_90a): the ping-pong tiles of
-// grouped_activation_backward (grouped_gemm.h, TileSchedule::kPingPong). d_a = bf16(A . W[group(row)]) with A
+// grouped_activation_backward (src/gpu/grouped_gemm.h, TileSchedule::kPingPong). d_a = bf16(A . W[group(row)]) with A
 // K-major and W read transposed (MN-major), then d_g, d_u = bf16(act'(g, u) d_a) in the epilogue. Same sums
 // as the cooperative kernel (grouped_gemm_kernel.cuh, kDataGradActivation), bit for bit: the same K steps in
 // the same order per output, and an m64n128 wgmma sums a column as the m64n256 one does (the tests compare

@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "kernels/common/ptx.cuh"
-#include "kernels/gemm/grouped_gemm.h"
+#include "kernels/gemm/gemm_types.h"
 
 namespace pounce::kernels::gemm {
 // ---------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@
 #include "kernels/common/ptx.cuh"
 #include "kernels/gemm/activation.cuh"
 #include "kernels/gemm/gemm_config.cuh"
-#include "kernels/gemm/grouped_gemm.h"
+#include "kernels/gemm/gemm_types.h"
 #include "kernels/gemm/tile_scheduler.cuh"
 #include "kernels/gemm/tma_store.cuh"
 

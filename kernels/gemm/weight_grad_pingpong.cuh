@@ -1,5 +1,5 @@
 // Weight gradients with each consumer warpgroup on tiles of its own (sm_90a): the ping-pong tiles of
-// grouped_weight_grad (grouped_gemm.h, TileSchedule). Same sums as the cooperative kernel
+// grouped_weight_grad (src/gpu/grouped_gemm.h, TileSchedule). Same sums as the cooperative kernel
 // (grouped_gemm_kernel.cuh, kWeightGrad), bit for bit: the same K steps in the same order per output. Each
 // warpgroup owns whole tiles of 128 x 128 outputs (two m64n128 wgmmas per K step, one per 64-row half), every
 // other tile of its CTA, so one warpgroup's epilogue runs while the other multiplies.
@@ -9,7 +9,7 @@
 // utilisation on deepseek-v3 at 1.77 GHz, against 85-92 % for the long-K GEMMs (Nsight Compute,
 // docs/experiments/015-weight-grad-pingpong.md). The price: a 128 x 128 tile loads 32 KB per K block for
 // 2.1 MFLOP instead of 48 KB for 4.2, so with long reductions (1024 rows) the cooperative tiles stay faster
-// (grouped_gemm.h weight_grad_schedule_for).
+// (src/gpu/grouped_gemm.h weight_grad_schedule_for).
 //
 // Roles: warpgroup 0's first thread is the producer (TMA into a ring of kStages stages of 32 KB, filled in
 // the CTA's tile order); warpgroups 1 and 2 consume the tiles at even and odd positions of the CTA's sequence

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "kernels/fused/fused_backward.cuh"
-#include "kernels/gemm/gemm_operands.h"
+#include "src/gpu/gemm_operands.h"
 #include "src/gpu/gpu_state.h"
 #include "src/gpu/mlp_backward.h"
 #include "src/gpu/overlap.h"

@@ -24,7 +24,7 @@
 #include <string>
 
 #include "kernels/fused/fused_forward.cuh"
-#include "kernels/gemm/gemm_operands.h"
+#include "src/gpu/gemm_operands.h"
 #include "src/gpu/gpu_state.h"
 #include "src/gpu/overlap.h"
 #include "src/gpu/profile.h"

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/gemm/grouped_gemm.h"
+#include "src/gpu/grouped_gemm.h"
 #include "kernels/layout/workspace_layout.cuh"
 #include "pounce/config.h"
 #include "pounce/error.h"

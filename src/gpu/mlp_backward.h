@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <string>
 
-#include "kernels/gemm/grouped_gemm.h"
+#include "src/gpu/grouped_gemm.h"
 #include "pounce/error.h"
 #include "src/gpu/gpu_state.h"
 

@@ -23,7 +23,7 @@
 #include "kernels/backward/reverse_combine.cuh"
 #include "kernels/combine/combine.cuh"
 #include "kernels/dispatch/dispatch.cuh"
-#include "kernels/gemm/grouped_gemm.h"
+#include "src/gpu/grouped_gemm.h"
 #include "src/gpu/gpu_state.h"
 #include "src/gpu/mlp_backward.h"
 #include "src/gpu/overlap.h"

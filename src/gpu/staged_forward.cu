@@ -18,7 +18,7 @@
 
 #include "kernels/combine/combine.cuh"
 #include "kernels/dispatch/dispatch.cuh"
-#include "kernels/gemm/grouped_gemm.h"
+#include "src/gpu/grouped_gemm.h"
 #include "kernels/routing/routing_exchange.cuh"
 #include "kernels/routing/schedule.cuh"
 #include "kernels/sched/macrobatch_plan.cuh"

@@ -33,7 +33,7 @@
 
 #include "gpu_fixtures.h"
 #include "kernels/gemm/activation.cuh"
-#include "kernels/gemm/grouped_gemm.h"
+#include "src/gpu/grouped_gemm.h"
 #include "reference/bf16.h"
 
 namespace {

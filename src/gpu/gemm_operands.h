@@ -9,17 +9,10 @@
 
 #include <cstdint>
 
-#include "kernels/gemm/grouped_gemm.h"
-#include "kernels/gemm/grouped_gemm_kernel.cuh"
+#include "kernels/gemm/gemm_operands.cuh"
+#include "src/gpu/grouped_gemm.h"
 
 namespace pounce::kernels {
-
-struct GemmOperands {
-  CUtensorMap a;
-  CUtensorMap b0;
-  CUtensorMap b1;  // gate/up: w_up; data grad: B's second K range; otherwise a copy of b0
-  gemm::GroupedGemmArgs args;
-};
 
 // Activation rows [rows, k] row-major bf16: tiles of BLOCK_M rows x BLOCK_K.
 CUtensorMap activation_rows_map(const void* a, int64_t rows, int64_t k);

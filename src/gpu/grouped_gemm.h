@@ -14,44 +14,12 @@
 #pragma once
 
 #include <cuda_runtime.h>
+
 #include <cstdint>
-#include <limits>
+
+#include "kernels/gemm/gemm_types.h"
 
 namespace pounce::kernels {
-
-// Expert-grouped activation rows, device memory.
-struct GroupedRows {
-  int64_t max_rows = 0;  // capacity in rows (multiple of 128); tensor maps are built over it
-  // Device [num_groups + 1]: non-decreasing multiples of 128 ([0] > 0 for a slice of a larger grouping).
-  // Read only on the device.
-  const int32_t* group_row_offset = nullptr;
-  int num_groups = 0;
-  int max_ctas = 0;  // persistent grid cap (leave SMs to concurrent communication kernels); 0 = every SM
-  // Weight gradients only: device [num_groups], 0 where the group's output is left untouched (a macrobatch
-  // writes only the experts it holds); null = every group.
-  const int32_t* group_active = nullptr;
-  // Optional device [num_groups]: rows of each segment that hold data; the rest, up to the next offset, are
-  // padding whose A rows are zero. The GEMMs then skip work on padding (a consumer warpgroup whose 64 rows
-  // are all padding, weight-gradient K blocks past the data) and store what zero rows give: zeros. null =
-  // none.
-  const int32_t* group_rows = nullptr;
-};
-
-struct ActivationParams {
-  int kind = 0;  // 0 SwiGLU silu(g) * u, 1 GPT-OSS (u + 1) * g * sigmoid(alpha * g)
-  // g = min(g, L), u = clamp(u, -L, L); +inf means no clamp.
-  float clamp_limit = std::numeric_limits<float>::infinity();
-  float alpha = 1.702f;  // GPT-OSS only
-};
-inline constexpr int kActivationSwiGLU = 0;
-inline constexpr int kActivationGptOss = 1;
-
-// How the two consumer warpgroups of a GEMM kernel share the work (weight gradients and the activation
-// backward offer both; the values are the same bit for bit):
-//   kCooperative: both multiply halves of one 128 x 256 tile (as the fused kernels do), then both store.
-//   kPingPong: each owns whole 128 x 128 tiles, every other one, so one stores while the other multiplies
-//     (weight_grad_pingpong.cuh, activation_backward_pingpong.cuh); it loads a third more per FLOP.
-enum class TileSchedule { kPingPong, kCooperative };
 
 // C[rows, n] = A[rows, k] . B[group(row)][n, k]^T. Rows at or beyond group_row_offset[num_groups] are not
 // touched. n and k multiples of 64; a, b, c 16-byte aligned. Throws pounce::Error on invalid arguments.
@@ -87,8 +55,6 @@ void grouped_activation_backward(const GroupedRows& rows, const void* a, const v
 // when k_split == k. k_split a multiple of 64.
 void grouped_gemm_transposed(const GroupedRows& rows, const void* a, const void* b0, const void* b1,
                              int64_t k_split, void* c, int64_t n, int64_t k, cudaStream_t stream);
-
-enum class WeightGradMode : int32_t { kStoreF32 = 0, kAccumulateF32 = 1, kStoreBf16 = 2 };
 
 // Per group g: D[g][m, n] = sum over rows r in [offset[g], offset[g+1]) of A[r, 0:m]^T B[r, 0:n], fp32
 // accumulation in ascending row order (deterministic), written as fp32, added into fp32, or rounded to

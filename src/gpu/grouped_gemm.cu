@@ -1,12 +1,12 @@
 // Host launchers of the grouped GEMMs: argument checks, tensor maps, persistent grid sizing.
-#include "kernels/gemm/grouped_gemm.h"
+#include "src/gpu/grouped_gemm.h"
 
 #include <algorithm>
 #include <array>
 #include <atomic>
 
-#include "kernels/common/tma.h"
-#include "kernels/gemm/gemm_operands.h"
+#include "src/gpu/tma.h"
+#include "src/gpu/gemm_operands.h"
 #include "kernels/gemm/grouped_gemm_kernel.cuh"
 #include "kernels/gemm/activation_backward_pingpong.cuh"
 #include "kernels/gemm/weight_grad_pingpong.cuh"

@@ -1,5 +1,5 @@
 // Tensor-map encoding through the driver entry point obtained from the runtime (no libcuda link).
-#include "kernels/common/tma.h"
+#include "src/gpu/tma.h"
 
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
