@@ -375,13 +375,15 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
       CommunicationPlan replay = plan;
       replay.replay = true;
       replay.push_combine = false;
-      run_communication(
-          ws, slots.go, replay, role, [&](int64_t row) { dispatch::pull_row<kPullDepth>(ws, row); },
-          [](int64_t) {});
+      run_communication</*kRing=*/false, /*kPullPairs=*/false>(
+          ws, slots.go, replay, role,
+          [&](int64_t row, int64_t, int64_t) { dispatch::pull_row<kPullDepth>(ws, row); },
+          [](int64_t, int64_t) {});
     }
-    run_communication(
-        ws, slots.go, plan, role, [&](int64_t row) { reverse_combine::pull_scaled_row<kPullDepth>(ws, row); },
-        [&](int64_t row) { combine::push_row<8>(ws, ws.dx_rows, ws.sym_dx_slots, row); });
+    run_communication</*kRing=*/false, /*kPullPairs=*/false>(
+        ws, slots.go, plan, role,
+        [&](int64_t row, int64_t, int64_t) { reverse_combine::pull_scaled_row<kPullDepth>(ws, row); },
+        [&](int64_t row, int64_t) { combine::push_row<8>(ws, ws.dx_rows, ws.sym_dx_slots, row); });
     // The weight-gradient tail needs no transfer: every SM computes it, as the staged path's GEMMs do.
     turn_to_compute(ss, slots);
   }

@@ -169,65 +169,141 @@ struct CommunicationPlan {
   layout::WaitId rows_done_wait;
 };
 
-// Communication CTA `comm_idx`: pulls routed unit 0, 1, ... (`pull_row(row)`, one warp per row, every
-// communication warp a strided share of every unit; a `pull_row(row, second)` takes the warp's rows two at a
-// time, `second` negative past the unit's end), bumping rows_ready[j] after each; with the push
-// combine it also pushes (`push_row(row)`) every unit whose second-GEMM tiles are all stored, between pulls
-// and after the last one.
-template <typename PullRow, typename PushRow>
+// kRing: the workspace's routed rows are a macrobatch ring (WorkspacePointers::has_ring); its plan (B and the
+// bounds) was written in the fused forward's scan step.
+__device__ __forceinline__ int32_t ring_macrobatches(const layout::WorkspacePointers& ws) {
+  return ws.macrobatch_plan[0];
+}
+__device__ __forceinline__ const int32_t* ring_bounds(const layout::WorkspacePointers& ws) {
+  return ws.macrobatch_plan + 1;
+}
+
+// Communication CTA `comm_idx`, the one loop of both kernels, with and without a ring: walks the macrobatches
+// in order (without a ring, one spanning every routed row) and each one's units of unit_blocks m-blocks,
+// units numbered across macrobatches (j). For each unit it pulls its share of the rows (one warp per row,
+// every communication warp a strided share of every unit) and bumps rows_ready[j] (replay_rows_ready in the
+// backward's replay); with the push combine it also pushes every unit whose second-GEMM tiles are all stored,
+// between pulls and after the last one. Rows live at `row - ring_first` (ring_first = the macrobatch's first
+// schedule row over a ring, 0 otherwise).
+//   pull_row(row, second, ring_first): kPullPairs: the warp's rows two at a time (`second` negative past the
+//     unit's end); otherwise one (`second` is -1).      push_row(row, ring_first): one row to its owner.
+// Over a ring, before pulling macrobatch b >= 1 the CTA pushes every unit of b - 2 (push combine; what b -
+// 1's tiles wait for) and waits until every gate/up tile of b - 1 is stored (b - 1's x rows are read); after
+// its share of a macrobatch's last unit is pushed it counts ring_free[b] (push combine; the down tiles count
+// it otherwise).
+template <bool kRing, bool kPullPairs, typename PullRow, typename PushRow>
 __device__ __forceinline__ void run_communication(const layout::WorkspacePointers& ws, int32_t& go,
                                                   const CommunicationPlan& plan, int32_t comm_idx,
                                                   PullRow&& pull_row, PushRow&& push_row) {
+  static_assert(!(kRing && kPullPairs), "the ring pulls one row per warp and round trip");
   const FusedCounters counters = counters_of(ws);
   const sched::ForwardTaskShape& shape = plan.shape;
-  const int32_t num_units = shape.routed_units();
+  const int64_t unit_rows = static_cast<int64_t>(shape.unit_blocks) * GemmConfig::BLOCK_M;
   const int64_t warp = static_cast<int64_t>(comm_idx) * kWarps + threadIdx.x / 32;
   const int64_t num_warps = static_cast<int64_t>(plan.comm_ctas) * kWarps;
-  auto for_my_rows = [&](int32_t j, auto&& body) {
-    const int64_t first = static_cast<int64_t>(j) * shape.unit_blocks * GemmConfig::BLOCK_M;
-    const int64_t end = first + static_cast<int64_t>(shape.routed_blocks(j)) * GemmConfig::BLOCK_M;
-    for (int64_t row = first + warp; row < end; row += num_warps) body(row);
+  // Macrobatch b's schedule rows [begin_of(b), end_of(b)).
+  auto begin_of = [&](int32_t b) -> int64_t {
+    if constexpr (kRing) return ring_bounds(ws)[b];
+    return 0;
   };
-  // Thread 0 decides whether unit j's second-GEMM tiles are all stored (waiting for it when `block`).
-  auto rows_done = [&](int32_t j, bool block) {
+  auto end_of = [&](int32_t b) -> int64_t {
+    if constexpr (kRing) return ring_bounds(ws)[b + 1];
+    return static_cast<int64_t>(shape.routed_m_blocks) * GemmConfig::BLOCK_M;
+  };
+  auto units_of = [&](int32_t b) {
+    return static_cast<int32_t>((end_of(b) - begin_of(b) + unit_rows - 1) / unit_rows);
+  };
+  int32_t num_macrobatches = 1;
+  if constexpr (kRing) {
+    num_macrobatches = ring_macrobatches(ws);
+    if (num_macrobatches ==
+        0) {  // overflow (recorded in the scan step) or no rows: poison what was routed here
+      const int32_t* row_offset = ws.group_row_offset;
+      for (int64_t row = row_offset[0] + warp; row < row_offset[ws.num_local_experts]; row += num_warps)
+        combine::poison_row(ws, ws.sym_y_slots, row);
+      return;
+    }
+  }
+  // Unit u of macrobatch b: [first, end) and this CTA's rows of it.
+  auto unit_first = [&](int32_t b, int32_t u) { return begin_of(b) + u * unit_rows; };
+  auto unit_end = [&](int32_t b, int32_t u) { return min(unit_first(b, u) + unit_rows, end_of(b)); };
+  auto push_unit = [&](int32_t b, int32_t u) {
+    for (int64_t row = unit_first(b, u) + warp; row < unit_end(b, u); row += num_warps)
+      push_row(row, begin_of(b));
+  };
+
+  // Pushes, in unit order: the next one is unit push_u of macrobatch push_b, global unit next_push.
+  int32_t push_b = 0, push_u = 0, next_push = 0;
+  auto push_next = [&](bool block) {
     bool ready = false;
     if (threadIdx.x == 0) {
-      const uint32_t expected = plan.second_tiles_per_block * shape.routed_blocks(j);
-      const uint32_t* done = counters.rows_done(j);
-      ready = block ? wait_count(ws, done, expected, plan.rows_done_wait, j)
+      const int64_t blocks = (unit_end(push_b, push_u) - unit_first(push_b, push_u)) / GemmConfig::BLOCK_M;
+      const uint32_t expected = plan.second_tiles_per_block * static_cast<uint32_t>(blocks);
+      const uint32_t* done = counters.rows_done(next_push);
+      ready = block ? wait_count(ws, done, expected, plan.rows_done_wait, next_push)
                     : flags::ld_acquire_gpu(done) >= expected;
     }
-    return cta_broadcast(go, ready);
+    if (!cta_broadcast(go, ready)) return false;
+    push_unit(push_b, push_u);
+    ++next_push;
+    if (++push_u == units_of(push_b)) {
+      if constexpr (kRing) {
+        __syncthreads();  // every warp's copies out of b's y rows are done
+        if (threadIdx.x == 0) flags::red_release_gpu_add(counters.ring_free(push_b), 1u);
+      }
+      push_u = 0;
+      ++push_b;
+    }
+    return true;
   };
 
-  auto pull_unit = [&](int32_t j) {
-    if constexpr (std::is_invocable_v<PullRow&, int64_t, int64_t>) {
-      const int64_t first = static_cast<int64_t>(j) * shape.unit_blocks * GemmConfig::BLOCK_M;
-      const int64_t end = first + static_cast<int64_t>(shape.routed_blocks(j)) * GemmConfig::BLOCK_M;
-      for (int64_t row = first + warp; row < end; row += 2 * num_warps)
-        pull_row(row, row + num_warps < end ? row + num_warps : int64_t{-1});
-    } else {
-      for_my_rows(j, pull_row);
+  int32_t j = 0;  // global unit
+  for (int32_t b = 0; b < num_macrobatches; ++b) {
+    if constexpr (kRing) {
+      if (b >= 1) {
+        if (plan.push_combine) {
+          while (push_b < b - 1) {
+            if (!push_next(/*block=*/true)) return;
+          }
+        }
+        bool free = true;
+        if (threadIdx.x == 0) {
+          const uint32_t expected = 2u * shape.gate_up_n;
+          for (int32_t m = ring_bounds(ws)[b - 1] / GemmConfig::BLOCK_M;
+               free && m < ring_bounds(ws)[b] / GemmConfig::BLOCK_M; ++m)
+            free =
+                wait_count(ws, counters.first_done(false, m), expected, layout::WaitId::kFusedGateUpDone, m);
+        }
+        if (!cta_broadcast(go, free)) return;
+      }
     }
-  };
-
-  int32_t next_push = 0;
-  for (int32_t j = 0; j < num_units; ++j) {
-    pull_unit(j);
-    __syncthreads();  // this CTA's share of unit j has landed
-    if (threadIdx.x == 0) {
-      kernels::ptx::fence_proxy_async_global();
-      flags::red_release_gpu_add(plan.replay ? counters.replay_rows_ready(j) : counters.rows_ready(j), 1u);
+    for (int32_t u = 0; u < units_of(b); ++u, ++j) {
+      const int64_t end = unit_end(b, u);
+      if constexpr (kPullPairs) {
+        for (int64_t row = unit_first(b, u) + warp; row < end; row += 2 * num_warps)
+          pull_row(row, row + num_warps < end ? row + num_warps : int64_t{-1}, begin_of(b));
+      } else {
+        for (int64_t row = unit_first(b, u) + warp; row < end; row += num_warps)
+          pull_row(row, int64_t{-1}, begin_of(b));
+      }
+      __syncthreads();  // this CTA's share of unit j has landed
+      if (threadIdx.x == 0) {
+        kernels::ptx::fence_proxy_async_global();
+        flags::red_release_gpu_add(plan.replay ? counters.replay_rows_ready(j) : counters.rows_ready(j), 1u);
+      }
+      if (plan.push_combine) {
+        // Push what is finished already; pulling the next unit comes first otherwise.
+        while (next_push <= j && push_next(/*block=*/false)) {
+        }
+      } else if constexpr (!kRing) {
+        continue;
+      }
+      if (cta_broadcast(go, threadIdx.x == 0 && aborted(ws))) return;
     }
-    if (!plan.push_combine) continue;
-    // Push what is finished already; pulling the next unit comes first otherwise.
-    while (next_push <= j && rows_done(next_push, /*block=*/false)) for_my_rows(next_push++, push_row);
-    if (cta_broadcast(go, threadIdx.x == 0 && aborted(ws))) return;
   }
   if (!plan.push_combine) return;
-  while (next_push < num_units) {
-    if (!rows_done(next_push, /*block=*/true)) return;
-    for_my_rows(next_push++, push_row);
+  while (next_push < j) {
+    if (!push_next(/*block=*/true)) return;
   }
 }
 

@@ -22,7 +22,7 @@
 //     Both deliver the same values to the same slots.
 // With a macrobatch ring (kRing) the same kernel walks the macrobatches: tasks and communication units in
 // macrobatch order, rows in the ring, plus the ring-reuse waits of ForwardScheduler and
-// run_ring_communication (docs/design.md, "Macrobatch ring").
+// run_communication<kRing> (fused_common.cuh; docs/design.md, "Macrobatch ring").
 // Every handoff is a named release/acquire pair at GPU scope (flags.cuh); TMA reads rows another CTA wrote,
 // so the reader also orders its acquire before its async-proxy loads (fence.proxy.async.global). Every wait
 // is bounded and aborts when another CTA failed. Tiles are computed exactly as by the standalone GEMMs
@@ -100,15 +100,6 @@ __device__ __forceinline__ int32_t macrobatch_of(const sched::MacrobatchTask& ta
   return task.macrobatch;
 }
 
-// kRing: the workspace's routed rows are a macrobatch ring (WorkspacePointers::has_ring); its plan (B and the
-// bounds) was written in the scan's grid step.
-__device__ __forceinline__ int32_t ring_macrobatches(const layout::WorkspacePointers& ws) {
-  return ws.macrobatch_plan[0];
-}
-__device__ __forceinline__ const int32_t* ring_bounds(const layout::WorkspacePointers& ws) {
-  return ws.macrobatch_plan + 1;
-}
-
 // ---------------------------------------------------------------------------------------------------
 // Compute CTA
 // ---------------------------------------------------------------------------------------------------
@@ -117,7 +108,7 @@ __device__ __forceinline__ const int32_t* ring_bounds(const layout::WorkspacePoi
 // also waits until macrobatch b - 1's ring rows are free (ring_free: its down tiles stored and, with the push
 // combine, its rows pushed). That is on tiles with smaller tickets or on the communication CTAs, which push
 // b - 1 at the latest before they wait for anything of b + 1, and wait for nothing of b before that but pulls
-// (run_ring_communication), so no cycle.
+// (run_communication<kRing>), so no cycle.
 template <bool kRing>
 struct ForwardScheduler {
   using TaskT = std::conditional_t<kRing, sched::MacrobatchTask, Task>;
@@ -258,101 +249,6 @@ __device__ __forceinline__ bool consume_task(kernels::gemm::SharedStorage& ss,
   return true;
 }
 
-// ---------------------------------------------------------------------------------------------------
-// Communication CTA over a macrobatch ring (kRing)
-// ---------------------------------------------------------------------------------------------------
-// run_communication's walk (fused_common.cuh) over the units of every macrobatch in order, units numbered
-// across macrobatches, rows pulled into and pushed from the ring (ring row = schedule row - bounds[b]).
-// Before pulling macrobatch b >= 1 the CTA pushes every unit of b - 2 (push combine; what b - 1's tiles wait
-// for) and waits until every gate/up tile of b - 1 is stored (b - 1's x rows are read). After its share of a
-// macrobatch's last unit is pushed it counts ring_free[b] (push combine; the down tiles count it otherwise).
-template <typename PullRow, typename PushRow>
-__device__ __forceinline__ void run_ring_communication(const layout::WorkspacePointers& ws, int32_t& go,
-                                                       const CommunicationPlan& plan, int32_t comm_idx,
-                                                       PullRow&& pull_row, PushRow&& push_row) {
-  const FusedCounters counters = counters_of(ws);
-  const sched::ForwardTaskShape& shape = plan.shape;
-  const int32_t* bounds = ring_bounds(ws);
-  const int32_t num_macrobatches = ring_macrobatches(ws);
-  const int32_t unit_rows = shape.unit_blocks * GemmConfig::BLOCK_M;
-  const int64_t warp = static_cast<int64_t>(comm_idx) * kWarps + threadIdx.x / 32;
-  const int64_t num_warps = static_cast<int64_t>(plan.comm_ctas) * kWarps;
-  auto units_of = [&](int32_t b) { return (bounds[b + 1] - bounds[b] + unit_rows - 1) / unit_rows; };
-  // Unit u of macrobatch b: this CTA's rows of it, ring_first = bounds[b].
-  auto for_my_rows = [&](int32_t b, int32_t u, auto&& body) {
-    const int64_t first = bounds[b] + static_cast<int64_t>(u) * unit_rows;
-    const int64_t end = min(first + unit_rows, static_cast<int64_t>(bounds[b + 1]));
-    for (int64_t row = first + warp; row < end; row += num_warps) body(row, static_cast<int64_t>(bounds[b]));
-  };
-
-  // Pushes, in unit order: the next one is unit push_u of macrobatch push_b, global unit next_push.
-  int32_t push_b = 0, push_u = 0, next_push = 0;
-  auto push_next = [&](bool block) {
-    bool ready = false;
-    if (threadIdx.x == 0) {
-      const int32_t first = bounds[push_b] + push_u * unit_rows;
-      const int32_t blocks = (min(first + unit_rows, bounds[push_b + 1]) - first) / GemmConfig::BLOCK_M;
-      const uint32_t expected = plan.second_tiles_per_block * static_cast<uint32_t>(blocks);
-      const uint32_t* done = counters.rows_done(next_push);
-      ready = block ? wait_count(ws, done, expected, plan.rows_done_wait, next_push)
-                    : flags::ld_acquire_gpu(done) >= expected;
-    }
-    if (!cta_broadcast(go, ready)) return false;
-    for_my_rows(push_b, push_u, push_row);
-    ++next_push;
-    if (++push_u == units_of(push_b)) {
-      __syncthreads();  // every warp's copies out of b's y rows are done
-      if (threadIdx.x == 0) flags::red_release_gpu_add(counters.ring_free(push_b), 1u);
-      push_u = 0;
-      ++push_b;
-    }
-    return true;
-  };
-
-  if (num_macrobatches ==
-      0) {  // overflow (recorded in the scan step) or no rows: poison what was routed here
-    const int32_t* row_offset = ws.group_row_offset;
-    for (int64_t row = row_offset[0] + warp; row < row_offset[ws.num_local_experts]; row += num_warps)
-      combine::poison_row(ws, ws.sym_y_slots, row);
-    return;
-  }
-  int32_t j = 0;  // global unit
-  for (int32_t b = 0; b < num_macrobatches; ++b) {
-    if (b >= 1) {
-      if (plan.push_combine) {
-        while (push_b < b - 1) {
-          if (!push_next(/*block=*/true)) return;
-        }
-      }
-      bool free = true;
-      if (threadIdx.x == 0) {
-        const uint32_t expected = 2u * shape.gate_up_n;
-        for (int32_t m = bounds[b - 1] / GemmConfig::BLOCK_M; free && m < bounds[b] / GemmConfig::BLOCK_M;
-             ++m)
-          free = wait_count(ws, counters.first_done(false, m), expected, layout::WaitId::kFusedGateUpDone, m);
-      }
-      if (!cta_broadcast(go, free)) return;
-    }
-    for (int32_t u = 0; u < units_of(b); ++u, ++j) {
-      for_my_rows(b, u, pull_row);
-      __syncthreads();  // this CTA's share of unit j has landed
-      if (threadIdx.x == 0) {
-        kernels::ptx::fence_proxy_async_global();
-        flags::red_release_gpu_add(counters.rows_ready(j), 1u);
-      }
-      if (plan.push_combine) {
-        while (next_push <= j && push_next(/*block=*/false)) {
-        }
-      }
-      if (cta_broadcast(go, threadIdx.x == 0 && aborted(ws))) return;
-    }
-  }
-  if (!plan.push_combine) return;
-  while (push_b < num_macrobatches) {
-    if (!push_next(/*block=*/true)) return;
-  }
-}
-
 // Launched cooperatively (grid_steps.cuh needs every CTA resident), one CTA per SM. kRing: the workspace's
 // routed rows are a macrobatch ring; the kernel walks its macrobatches (the scan's step plans them).
 template <bool kRing>
@@ -384,19 +280,19 @@ __global__ void __launch_bounds__(GemmConfig::kNumThreads, 1)
     plan.push_combine = params.push_combine;
     plan.second_tiles_per_block = 2u * plan.shape.down_n;
     plan.rows_done_wait = layout::WaitId::kFusedRowsDone;
-    if constexpr (kRing) {
-      run_ring_communication(
-          ws, slots.go, plan, role,
-          [&](int64_t row, int64_t ring_first) { dispatch::pull_row<kPullDepth>(ws, row, ring_first); },
-          [&](int64_t row, int64_t ring_first) {
-            combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row, ring_first);
-          });
-    } else {
-      run_communication(
-          ws, slots.go, plan, role,
-          [&](int64_t row, int64_t second) { dispatch::pull_row_pair<kPullDepth>(ws, row, second); },
-          [&](int64_t row) { combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row); });
-    }
+    // Over a ring, one row per pull (pull_row_pair has no ring offset); otherwise the short rows in pairs.
+    run_communication<kRing, !kRing>(
+        ws, slots.go, plan, role,
+        [&](int64_t row, int64_t second, int64_t ring_first) {
+          if constexpr (kRing) {
+            dispatch::pull_row<kPullDepth>(ws, row, ring_first);
+          } else {
+            dispatch::pull_row_pair<kPullDepth>(ws, row, second);
+          }
+        },
+        [&](int64_t row, int64_t ring_first) {
+          combine::push_row<8>(ws, ws.y_rows, ws.sym_y_slots, row, ring_first);
+        });
     __syncthreads();  // every warp's pushes are issued before warpgroups 1 and 2 arrive for the CTA
     if (warpgroup > 0) finish_forward(ws, warpgroup);
     return;
