@@ -16,7 +16,12 @@ struct Fp8Weights {
   Fp8Tensor gate_t, up_t, down_t;  // backward orientation: [El, H, I], [El, H, I], [El, I, H]
 };
 
-// Quantizes bf16 routed weights into caller-allocated `out` (every view sized as documented above).
+// Quantizes bf16 routed weights into caller-allocated `out` (every view sized as documented above; data may
+// be fp8e4m3 or uint8 views of the e4m3 bits): scale = 2^ceil(log2(amax / 448)) per 128x128 block (1 for an
+// all-zero block), data = e4m3(w / scale) rounded to nearest even; partial blocks at the N and K edges.
+// Runs where the tensors are, all on the CPU or all on one CUDA device: on a GPU one stream-ordered launch
+// on `stream` (a cudaStream_t; null = the default stream) for every expert and both orientations, bitwise
+// equal to the CPU result. Non-finite weights are rejected on the CPU; on a GPU their block's scale is NaN.
 void quantize_weights_fp8(const ExpertWeights& routed, const Fp8Weights& out, void* stream = nullptr);
 
 }  // namespace pounce

@@ -294,6 +294,32 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// FP8 E4M3 (fn) conversions (kernels/quant/). fp32 -> e4m3 rounds to nearest even and saturates to ±448
+// (.satfinite: ±inf too), bitwise as reference/fp8.cpp's float_to_e4m3 (checked on every finite bf16 value);
+// a NaN becomes 0x7f whatever its sign (the CPU keeps the sign: 0xff).
+// ---------------------------------------------------------------------------------------------------
+// Two fp32 -> two e4m3 in one 16-bit register; `lo` lands in the low 8 bits (the lower address).
+__device__ __forceinline__ uint16_t cvt_e4m3x2(float lo, float hi) {
+  uint16_t packed;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(packed) : "f"(lo), "f"(hi));
+  return packed;
+}
+
+// Two e4m3 (low 8 bits first) -> two fp32, exactly (every e4m3 value is an f16 value).
+__device__ __forceinline__ void cvt_e4m3x2_to_f32(uint16_t packed, float& lo, float& hi) {
+  asm("{\n"
+      "  .reg .b32 pair;\n"
+      "  .reg .b16 l, h;\n"
+      "  cvt.rn.f16x2.e4m3x2 pair, %2;\n"
+      "  mov.b32 {l, h}, pair;\n"
+      "  cvt.f32.f16 %0, l;\n"
+      "  cvt.f32.f16 %1, h;\n"
+      "}\n"
+      : "=f"(lo), "=f"(hi)
+      : "h"(packed));
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Register reconfiguration (needs a register cap at entry: __launch_bounds__(threads, 1)).
 // ---------------------------------------------------------------------------------------------------
 template <int kRegs>
