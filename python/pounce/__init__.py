@@ -40,6 +40,7 @@ from ._C import (
     find_preset,
     forward,
     presets,
+    quantize_weights_fp8,
     recompute_forward_context,
 )
 
@@ -68,6 +69,7 @@ __all__ = [
     "find_preset",
     "forward",
     "presets",
+    "quantize_weights_fp8",
     "recompute_forward_context",
 ]
 

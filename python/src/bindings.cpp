@@ -422,6 +422,47 @@ void bind_layer(nb::module_& m) {
       "must\n"
       "be those of the forward whose context the workspace holds.");
 
+  m.def(
+      "quantize_weights_fp8",
+      [](nb::handle routed, nb::handle out, uintptr_t stream) {
+        TensorArgs tensors;
+        ExpertWeights weights;
+        POUNCE_CHECK(!routed.is_none(), "argument 'routed' is missing; pass (w_gate, w_up, w_down)");
+        tensors.weights(routed, "routed", false, weights);
+        static const char* const kNames[] = {"gate", "up", "down", "gate_t", "up_t", "down_t"};
+        Fp8Weights fp8;
+        Fp8Tensor* slots[] = {&fp8.gate, &fp8.up, &fp8.down, &fp8.gate_t, &fp8.up_t, &fp8.down_t};
+        auto is_sequence = [](nb::handle object, size_t length) {
+          return nb::isinstance<nb::sequence>(object) && !nb::isinstance<nb::str>(object) &&
+                 nb::len(object) == length;
+        };
+        auto item = [](nb::handle object, Py_ssize_t i) {
+          PyObject* element = PySequence_GetItem(object.ptr(), i);
+          if (element == nullptr) throw nb::python_error();
+          return nb::steal(element);
+        };
+        POUNCE_CHECK(is_sequence(out, 6),
+                     "argument 'out' must be six (data, scale) pairs in the order gate, up, ",
+                     "down, gate_t, up_t, down_t");
+        for (Py_ssize_t i = 0; i < 6; ++i) {
+          const std::string name = std::string("out.") + kNames[i];
+          const nb::object pair = item(out, i);
+          POUNCE_CHECK(is_sequence(pair, 2), "argument '", name,
+                       "' must be a (data, scale) pair: uint8/fp8e4m3 data and fp32 scales");
+          slots[i]->data = tensors.output(item(pair, 0), name + ".data");
+          slots[i]->scale = tensors.output(item(pair, 1), name + ".scale");
+        }
+        nb::gil_scoped_release release;
+        quantize_weights_fp8(weights, fp8, stream_pointer(stream));
+      },
+      "routed"_a, "out"_a, "stream"_a = 0,
+      "Quantizes routed = (w_gate [El,I,H], w_up [El,I,H], w_down [El,H,I]) bf16 into block-scaled FP8 E4M3\n"
+      "(128x128 blocks, power-of-two fp32 scales) in both orientations. `out` holds six (data, scale) "
+      "pairs:\n"
+      "gate, up ([El,I,H], [El,ceil(I/128),ceil(H/128)]), down ([El,H,I], ...), then the transposed gate_t,\n"
+      "up_t ([El,H,I], ...) and down_t ([El,I,H], ...); data is uint8 (the e4m3 bits) or float8_e4m3fn.\n"
+      "All on the CPU, or all on one CUDA device (one launch on `stream`, a cudaStream_t as an int).");
+
   m.def("build_info", [] {
     const BuildInfo& info = build_info();
     nb::dict out;
