@@ -108,6 +108,12 @@ void quantize_fp8_blocks(const float* in, int64_t rows, int64_t cols, int64_t bl
   }
 }
 
+double Fp8Blocks::value(int64_t r, int64_t c) const {
+  const int64_t scale_cols = (cols + block_cols - 1) / block_cols;
+  return static_cast<double>(e4m3_to_float(q[r * cols + c])) *
+         static_cast<double>(scale[(r / block_rows) * scale_cols + c / block_cols]);
+}
+
 void dequantize_fp8_blocks(const uint8_t* q, const float* scale, int64_t rows, int64_t cols,
                            int64_t block_rows, int64_t block_cols, float* out) {
   check_blocks(rows, cols, block_rows, block_cols);

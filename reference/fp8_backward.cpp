@@ -214,12 +214,6 @@ template std::vector<RankGradients> fp8_backward_t<double>(const Problem&, const
 
 namespace pounce::reference {
 
-double Fp8Blocks::value(int64_t r, int64_t c) const {
-  const int64_t scale_cols = (cols + block_cols - 1) / block_cols;
-  return static_cast<double>(e4m3_to_float(q[r * cols + c])) *
-         static_cast<double>(scale[(r / block_rows) * scale_cols + c / block_cols]);
-}
-
 std::vector<RankFp8Trace> fp8_trace(const Problem& problem, const std::vector<RankInputs>& ranks,
                                     const std::vector<Weights>& routed_per_rank, const Weights& shared) {
   POUNCE_CHECK(problem.precision == Precision::kFP8,
