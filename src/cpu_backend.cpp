@@ -59,6 +59,7 @@ reference::Problem make_problem(const WorkspaceState& state) {
   problem.block_m = kBlockM;
   problem.activation = state.config.activation;
   problem.numerics = reference::Numerics::kBf16;
+  problem.precision = state.config.precision;
   return problem;
 }
 

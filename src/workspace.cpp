@@ -16,8 +16,6 @@ Workspace::Workspace(const Group& group, const Shape& shape, const Config& confi
                "config.backend = ", to_string(config.backend), " but the group runs on ",
                to_string(group.backend()),
                "; create the group on the backend you want (or leave config.backend = auto)");
-  POUNCE_CHECK(group.backend() == Backend::kGpu || config.precision == Precision::kBF16,
-               "config.precision = fp8 runs on GPUs only; use bf16 on the CPU backend");
   state_ = std::make_unique<WorkspaceState>(group, shape, config);
   if (group.backend() == Backend::kCpu) {
     cpu::create_workspace(*state_);

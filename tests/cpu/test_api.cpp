@@ -132,16 +132,52 @@ std::vector<std::string> on_every_rank(int num_ranks, const std::function<void(i
   return errors;
 }
 
-TEST(Api, ForwardBackwardOverTwoRanksEqualsReference) {
+// One rank's routed weights quantized by pounce::quantize_weights_fp8 (both orientations), as a caller
+// passes them in ForwardArgs::routed_fp8.
+struct RankFp8Weights {
+  std::vector<std::vector<uint8_t>> data;
+  std::vector<std::vector<float>> scale;
+  Fp8Weights views;
+
+  RankFp8Weights(const Shape& s, RankData& rank) {
+    const int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts();
+    const std::vector<int64_t> shapes[6] = {{El, I, H}, {El, I, H}, {El, H, I},
+                                            {El, H, I}, {El, H, I}, {El, I, H}};
+    Fp8Tensor* tensors[6] = {&views.gate, &views.up, &views.down, &views.gate_t, &views.up_t, &views.down_t};
+    data.resize(6);
+    scale.resize(6);
+    for (int i = 0; i < 6; ++i) {
+      const int64_t bn = (shapes[i][1] + kFp8Block - 1) / kFp8Block,
+                    bk = (shapes[i][2] + kFp8Block - 1) / kFp8Block;
+      data[i].assign(El * shapes[i][1] * shapes[i][2], 0xFF);
+      scale[i].assign(El * bn * bk, NAN);
+      *tensors[i] = {TensorView(data[i].data(), DType::kUInt8, shapes[i]),
+                     TensorView(scale[i].data(), DType::kFP32, {El, bn, bk})};
+    }
+    quantize_weights_fp8(rank.forward_args(s).routed, views);
+  }
+};
+
+// The API over two ranks of the CPU backend, bitwise the reference at `precision` (FP8: the FP8 layer,
+// its every quantization point).
+void expect_api_equals_reference(Precision precision) {
   const int R = 2;
   const Shape shape = small_shape(R);
   std::vector<RankData> data;
   for (int r = 0; r < R; ++r) data.emplace_back(shape, r == 0 ? 37 : 21, r, 7);
+  std::vector<RankFp8Weights> fp8;
+  if (precision == Precision::kFP8)
+    for (int r = 0; r < R; ++r) fp8.emplace_back(shape, data[r]);
   auto groups = Group::create_cpu(R);
+  Config config;
+  config.precision = precision;
   auto errors = on_every_rank(R, [&](int r) {
-    Workspace workspace(groups[r], shape, Config{});
-    forward(workspace, data[r].forward_args(shape));
-    backward(workspace, data[r].backward_args(shape));
+    Workspace workspace(groups[r], shape, config);
+    ForwardArgs args = data[r].forward_args(shape);
+    BackwardArgs grads = data[r].backward_args(shape);
+    if (precision == Precision::kFP8) args.routed_fp8 = grads.inputs.routed_fp8 = &fp8[r].views;
+    forward(workspace, args);
+    backward(workspace, grads);
   });
   for (const auto& error : errors) ASSERT_EQ(error, "");
 
@@ -153,6 +189,7 @@ TEST(Api, ForwardBackwardOverTwoRanksEqualsReference) {
                              .num_ranks = R,
                              .block_m = kBlockM,
                              .activation = {}};
+  problem.precision = precision;
   std::vector<reference::RankInputs> inputs;
   std::vector<reference::Weights> routed;
   for (auto& rank : data) {
@@ -178,6 +215,29 @@ TEST(Api, ForwardBackwardOverTwoRanksEqualsReference) {
     for (size_t i = 0; i < data[r].d_topk_weights.size(); ++i)
       ASSERT_EQ(data[r].d_topk_weights[i], static_cast<float>(expected_grads[r].d_topk_weights[i]));
   }
+}
+
+TEST(Api, ForwardBackwardOverTwoRanksEqualsReference) {
+  expect_api_equals_reference(Precision::kBF16);
+}
+
+TEST(Api, Fp8ForwardBackwardOverTwoRanksEqualsTheFp8Reference) {
+  expect_api_equals_reference(Precision::kFP8);
+}
+
+TEST(Api, Fp8WithoutQuantizedWeightsIsRejected) {
+  const Shape shape = small_shape(1);
+  RankData data(shape, 16, 0, 3);
+  Config config;
+  config.precision = Precision::kFP8;
+  Workspace workspace(Group::create_cpu(1)[0], shape, config);
+  try {
+    forward(workspace, data.forward_args(shape));
+    FAIL() << "an fp8 forward without routed_fp8 was accepted";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("routed_fp8"), std::string::npos) << error.what();
+  }
+  for (uint16_t bits : data.out) ASSERT_EQ(bits, kPoisonBf16) << "out was written";
 }
 
 // One rank passes a bad argument: every rank fails with a message naming it, and no output is written.
