@@ -28,6 +28,7 @@
 #include "pounce/pounce.h"
 #include "reference/bf16.h"
 #include "reference/reference.h"
+#include "tests/gpu/gpu_fixtures.h"
 
 namespace {
 
@@ -38,30 +39,6 @@ using pounce::reference::float_to_e4m3;
 using pounce::reference::round_bf16;
 
 // ---- harness -------------------------------------------------------------------------------------------
-
-std::string gpu_skip_reason() {
-  int count = 0;
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  if (status != cudaSuccess) {
-    cudaGetLastError();
-    return std::string("no CUDA GPU visible (cudaGetDeviceCount: ") + cudaGetErrorString(status) +
-           "): GPU test skipped";
-  }
-  if (count == 0) return "no CUDA GPU visible (cudaGetDeviceCount found none): GPU test skipped";
-  return {};
-}
-
-#define SKIP_UNLESS_GPU()                                    \
-  do {                                                       \
-    const std::string why_skipped_ = gpu_skip_reason();      \
-    if (!why_skipped_.empty()) GTEST_SKIP() << why_skipped_; \
-  } while (0)
-
-#define CUDA_OK(call)                                                                \
-  do {                                                                               \
-    const cudaError_t status_ = (call);                                              \
-    ASSERT_EQ(status_, cudaSuccess) << #call << ": " << cudaGetErrorString(status_); \
-  } while (0)
 
 // A device buffer of `count` T, filled from `host` or with 0xFF bytes (poison: NaN for floats).
 template <typename T>
@@ -217,7 +194,7 @@ __global__ void columns_from_e4m3_kernel(const uint8_t* x_q, const float* x_scal
 // ---- conversions and scales ----------------------------------------------------------------------------
 
 TEST(Fp8Quantize, E4m3ConversionMatchesTheCpu) {
-  SKIP_UNLESS_GPU();
+  SKIP_UNLESS_GPUS(1);
   std::vector<float> values;
   for (uint32_t bits = 0; bits < 65536; ++bits) {  // every finite bf16 value, both signs
     const float v = bf16_bits_to_float(static_cast<uint16_t>(bits));
@@ -269,7 +246,7 @@ TEST(Fp8Quantize, E4m3ConversionMatchesTheCpu) {
 }
 
 TEST(Fp8Quantize, BlockScaleMatchesTheCpu) {
-  SKIP_UNLESS_GPU();
+  SKIP_UNLESS_GPUS(1);
   std::vector<float> amax;
   for (uint32_t bits = 0; bits < 0x7f80; ++bits)
     amax.push_back(bf16_bits_to_float(static_cast<uint16_t>(bits)));
@@ -350,7 +327,7 @@ void check_rows(int rows, int cols, uint32_t seed) {
 }
 
 TEST(Fp8Quantize, LaneGroupRowsMatchTheCpu) {
-  SKIP_UNLESS_GPU();
+  SKIP_UNLESS_GPUS(1);
   check_rows<4>(37, 320, 21);  // the wgmma quad: 32 values per lane, columns interleaved
   check_rows<8>(37, 320, 22);
   check_rows<16>(64, 2880, 23);  // gpt-oss's hidden: 22.5 blocks
@@ -374,7 +351,7 @@ void expect_token_axis(const std::vector<float>& in, int rows, int cols, const s
 }
 
 TEST(Fp8Quantize, TokenAxisColumnsMatchTheCpu) {
-  SKIP_UNLESS_GPU();
+  SKIP_UNLESS_GPUS(1);
   const int rows = 300, cols = 200;  // 3 row blocks (the last 44 rows), 4 column tiles (the last 8 columns)
   const int row_blocks = (rows + 127) / 128, rows_padded = row_blocks * 128;
   std::vector<float> in = activation_rows(cols, rows, 31);  // magnitudes vary along the columns here
@@ -401,7 +378,7 @@ TEST(Fp8Quantize, TokenAxisColumnsMatchTheCpu) {
 }
 
 TEST(Fp8Quantize, TokenAxisFromE4m3RowsMatchesTheCpu) {
-  SKIP_UNLESS_GPU();
+  SKIP_UNLESS_GPUS(1);
   const int rows = 200, cols = 192;  // x rows of an expert segment: 1x128 quantized, partial blocks both ways
   const int row_blocks = (rows + 127) / 128, rows_padded = row_blocks * 128, scale_cols = (cols + 127) / 128;
   const std::vector<float> x = activation_rows(rows, cols, 41);
@@ -508,7 +485,7 @@ Fp8Outputs quantize_on_cpu(const WeightShape& s, std::vector<std::vector<uint16_
 }
 
 TEST(Fp8Quantize, WeightsMatchTheCpuBitwise) {
-  SKIP_UNLESS_GPU();
+  SKIP_UNLESS_GPUS(1);
   for (const WeightShape& s :
        {WeightShape{3, 320, 192}, WeightShape{2, 64, 128}, WeightShape{1, 2880, 2880}}) {
     SCOPED_TRACE(::testing::Message()
