@@ -39,8 +39,8 @@ double pass_flops(BenchPass pass, double forward_flops);
 // Throws pounce::Error naming the known presets or the bad field.
 Preset bench_preset(const std::string& name);
 
-// Sets `config` up for `impl`. Throws pounce::Error for an unknown impl, and for "fused" until the fused
-// kernel is in (issue #4).
+// Sets `config` up for `impl` (fused, fused-all, fused-staged, staged). Throws pounce::Error naming the
+// known ones for an unknown impl.
 void select_impl(const std::string& impl, Config& config);
 
 // ---- input rotation ------------------------------------------------------------------------------------

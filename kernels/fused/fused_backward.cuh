@@ -1,4 +1,4 @@
-// The fused backward kernel (docs/design.md §2, issue #5): reverse-combine pull, the shared expert's
+// The fused backward kernel (docs/design.md §2): reverse-combine pull, the shared expert's
 // backward, d_a with the activation backward, d_x, the reverse-dispatch push and every weight gradient in ONE
 // persistent launch, one CTA per SM, after the backward's token side (stage d_out, router gradient,
 // barrier) and before its combine barrier and d_x sum (src/gpu/fused_backward.cu runs those around it).

@@ -1,4 +1,4 @@
-// The fused forward kernel (docs/design.md §2, issue #4): the whole forward in ONE persistent launch, one CTA
+// The fused forward kernel (docs/design.md §2): the whole forward in ONE persistent launch, one CTA
 // per SM: stage x, routing exchange and barrier, schedule (grid_steps.cuh, every CTA), then dispatch, shared
 // expert, gate/up + activation, down and the combine (roles below), then the combine barrier (grid_steps.cuh
 // again). The weighted sum is the next kernel on the stream.

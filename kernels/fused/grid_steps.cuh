@@ -1,5 +1,5 @@
-// The fused forward's own beginning and end (issue #4: the routing exchange, the schedule and the combine
-// barrier inside the one launch). The kernel is launched cooperatively, so every CTA is resident and a CTA
+// The fused forward's own beginning and end (the routing exchange, the schedule and the combine barrier
+// inside the one launch). The kernel is launched cooperatively, so every CTA is resident and a CTA
 // may wait for all the others. A grid step is an arrival count and a release word in the fused counter header
 // (layout::FusedGridStep): the last CTA (or party) to arrive does the step's serial work and releases it;
 // whoever needs the step done waits for the release.

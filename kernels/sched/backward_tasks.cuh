@@ -1,4 +1,4 @@
-// The fused backward kernel's task list (docs/design.md §2, issue #5): every GEMM tile of one backward pass
+// The fused backward kernel's task list (docs/design.md §2): every GEMM tile of one backward pass
 // in a topological order, handed out by an atomic ticket.
 //
 // Data gradients walk the forward's two-GEMM unit list (forward_tasks.cuh) with the backward's GEMMs in the

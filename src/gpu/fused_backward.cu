@@ -1,4 +1,4 @@
-// The fused backward (docs/design.md §2, issue #5): the shared prologue (stage d_out and the router weights,
+// The fused backward (docs/design.md §2): the shared prologue (stage d_out and the router weights,
 // router gradient, inputs barrier), then ONE persistent kernel for the reverse-combine pull, the shared
 // expert's backward, d_a + activation backward, d_x, the reverse-dispatch push and every weight gradient
 // (kernels/fused/fused_backward.cuh), then the combine barrier and the d_x sum. With a macrobatch ring, one

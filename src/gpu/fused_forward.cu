@@ -1,4 +1,4 @@
-// The fused forward (docs/design.md §2, issue #4): the argument checks, a memset of the counters, then ONE
+// The fused forward (docs/design.md §2): the argument checks, a memset of the counters, then ONE
 // persistent cooperative kernel for the pass (kernels/fused/fused_forward.cuh): stage x, routing exchange and
 // barrier, schedule, dispatch, shared expert, gate/up + activation, down, combine and combine barrier; then
 // the weighted sum kernel (memory-bound: kernels/fused/grid_steps.cuh says why it is not inside). With a

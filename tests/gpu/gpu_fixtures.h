@@ -117,7 +117,7 @@ std::vector<std::vector<RankData>> make_call_data(const Shape& shape, const std:
 
 // Tokens per rank of a case written for one or two ranks: {rank0} or {rank0, rank1}.
 std::vector<int64_t> tokens_per_rank(int num_ranks, int64_t rank0, int64_t rank1);
-// The calls of the 4- and 8-rank cases (issue #7), seeds first_seed, + 1, + 2: unequal T per rank with rank 0
+// The calls of the 4- and 8-rank cases, seeds first_seed, + 1, + 2: unequal T per rank with rank 0
 // empty ((r * 97) % (max_tokens + 1)) and random routing; every rank full, all to one expert, int64 ids;
 // `few_tokens` per rank to few experts.
 std::vector<Call> many_rank_calls(int num_ranks, int64_t max_tokens, int64_t few_tokens, uint32_t first_seed);

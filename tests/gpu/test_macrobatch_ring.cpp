@@ -1,4 +1,4 @@
-// The macrobatch ring (issues #4 and #5; docs/design.md, "Macrobatch ring"): with the smallest ring
+// The macrobatch ring (docs/design.md, "Macrobatch ring"): with the smallest ring
 // (Config::macrobatch_size = num_ranks * max_tokens, padded to BLOCK_M) the routed experts run in several
 // macrobatches. Forward: staged then fused, both against the CPU reference and fused == staged bitwise
 // (forward_harness.h). Backward: the backward replays every macrobatch but the resident last (pull x,
