@@ -1,13 +1,18 @@
-// CPU backend: every call is collective over the R threads of a CpuGroup.
+// CPU backend: every call is collective over the R threads of a CpuGroup, in two rounds of its exchange
+// (src/host_barrier.h), each rank posting by value:
 //
-//   publish (args, validation error) -> barrier -> any error? all throw
-//   rank 0 evaluates the group with reference::forward/backward -> barrier -> each rank copies its part
+//   "arguments": each rank posts its record (call, workspace, fields, tokens, validation error) and its
+//                inputs converted for the reference; every rank checks the R records the same way, so all
+//                throw the same error, or all go on
+//   "results":   rank 0 evaluates the group with reference::forward/backward and posts each rank's part
+//                (or the failure); each rank takes its own and writes its outputs
 //
-// Each phase's shared slots are written only after a barrier that every reader of the previous phase
-// has passed, so one slot per rank suffices (errors: "errors read"; results: the next call's publish).
+// A round never reads a peer's memory: a mismatch (forward against backward, different workspaces, one rank
+// from two threads, a peer that stopped) is an error on every rank, never a read of the wrong arguments.
 #include "src/cpu_backend.h"
 
 #include <cstring>
+#include <utility>
 
 #include "pounce/error.h"
 #include "reference/bf16.h"
@@ -81,84 +86,149 @@ CpuGroup& group_of(WorkspaceState& state) {
   return *state.group.state().cpu;
 }
 
-// Publishes this rank's arguments and error; throws on every rank when any rank rejected its inputs.
-void publish(WorkspaceState& state, const void* args, const std::string& local_error, const char* call) {
+// Round "arguments": posts `post` and returns every rank's record (rank 0 also takes every rank's inputs
+// into `inputs` and `routed`, and its own shared weights into `shared`). Throws on every rank, with the same
+// reason, when the records disagree.
+uint64_t exchange_arguments(WorkspaceState& state, CpuPost post, std::vector<reference::RankInputs>* inputs,
+                            std::vector<reference::Weights>* routed, reference::Weights* shared) {
   CpuGroup& group = group_of(state);
   const int rank = state.group.rank();
-  group.published[rank] = args;
-  group.errors[rank] = local_error;
-  group.barrier.arrive_and_wait(std::string(call) + ": inputs published", rank,
-                                state.environment.peer_timeout);
-  std::string first_error;
-  for (int peer = 0; peer < group.num_ranks && first_error.empty(); ++peer) {
-    if (group.errors[peer].empty()) continue;
-    first_error = peer == rank
-                      ? group.errors[peer]
-                      : "rank " + std::to_string(peer) + " rejected its inputs: " + group.errors[peer];
-  }
-  // Every rank has read the errors before anyone may publish the next call's.
-  group.barrier.arrive_and_wait(std::string(call) + ": errors read", rank, state.environment.peer_timeout);
-  if (!first_error.empty()) throw Error(first_error.substr(first_error.rfind("pounce: ", 0) == 0 ? 8 : 0));
+  const std::string what = std::string(to_string(post.record.call)) + ": arguments";
+  std::vector<CpuRecord> records;
+  const uint64_t round = group.exchange.exchange(rank, "arguments", what, state.environment.peer_timeout,
+                                                 std::move(post), [&](std::vector<CpuPost>& posts) {
+                                                   for (CpuPost& peer : posts) records.push_back(peer.record);
+                                                   if (rank != 0 || inputs == nullptr) return;
+                                                   for (CpuPost& peer : posts) {
+                                                     inputs->push_back(std::move(peer.inputs));
+                                                     routed->push_back(std::move(peer.routed));
+                                                   }
+                                                   *shared = std::move(posts[0].shared);
+                                                 });
+  const std::string error = disagreement(records, rank);
+  if (!error.empty()) throw Error(error);
+  return round;
 }
 
-// Rank 0 runs `evaluate` for the group; every rank waits for it and rethrows its failure.
-template <typename Evaluate>
-void evaluate_on_rank0(WorkspaceState& state, const char* call, Evaluate&& evaluate) {
+// Round "results": rank 0 runs `evaluate(results)` for the group and posts it; every rank takes its part
+// with take(results) and rethrows the group's failure.
+template <typename Evaluate, typename Take>
+void exchange_results(WorkspaceState& state, CpuCall call, Evaluate&& evaluate, Take&& take) {
   CpuGroup& group = group_of(state);
   const int rank = state.group.rank();
+  CpuPost post;
   if (rank == 0) {
-    group.group_error.clear();
     try {
-      evaluate(group);
+      evaluate(post);
     } catch (const std::exception& error) {
-      group.group_error = error.what();
+      post.group_error = error.what();
     }
   }
-  group.barrier.arrive_and_wait(std::string(call) + ": group evaluated", rank,
-                                state.environment.peer_timeout);
-  if (!group.group_error.empty())
-    throw Error(std::string(call) + " failed on the group: " + group.group_error);
+  std::string group_error;
+  group.exchange.exchange(rank, "results", std::string(to_string(call)) + ": results",
+                          state.environment.peer_timeout, std::move(post), [&](std::vector<CpuPost>& posts) {
+                            group_error = posts[0].group_error;
+                            if (group_error.empty()) take(posts[0]);
+                          });
+  if (!group_error.empty())
+    throw Error(std::string(to_string(call)) + " failed on the group: " + group_error);
+}
+
+CpuPost record_of(const WorkspaceState& state, CpuCall call, int64_t num_tokens, const std::string& error) {
+  CpuPost post;
+  post.record = {call, state.cpu_id, WorkspaceFields::of(state.shape, state.config), num_tokens, error};
+  return post;
+}
+
+// This rank's inputs converted for the reference (skipped after a validation error: its views may be
+// anything); a conversion failure becomes the rank's error.
+void add_inputs(const WorkspaceState& state, const ForwardArgs& args, const TensorView* d_out,
+                CpuPost& post) {
+  if (!post.record.error.empty()) return;
+  try {
+    post.inputs = to_inputs(args, d_out);
+    post.routed = to_weights(args.routed);
+    if (state.group.rank() == 0 && state.shape.has_shared_expert()) post.shared = to_weights(args.shared);
+  } catch (const std::exception& error) {
+    post.record.error = std::string("its inputs could not be read: ") + error.what();
+  }
+}
+
+std::string describe_workspace(uint64_t id) {
+  return id == 0 ? "none" : "the workspace of group step " + std::to_string(id);
 }
 
 }  // namespace
 
-void create_workspace(WorkspaceState& state) {
-  CpuGroup& group = group_of(state);
-  const int rank = state.group.rank();
-  std::string error;
-  group.published[rank] = &state;
-  group.barrier.arrive_and_wait("workspace: config published", rank, state.environment.peer_timeout);
-  const auto& first = *static_cast<const WorkspaceState*>(group.published[0]);
-  if (!(first.shape == state.shape) || !(first.config.activation == state.config.activation) ||
-      first.config.precision != state.config.precision ||
-      first.config.macrobatch_size != state.config.macrobatch_size)
-    error = "rank " + std::to_string(rank) +
-            " created its workspace with a shape or config different from rank 0's; " +
-            "every rank of the group must pass the same Shape and Config";
-  publish(state, &state, error, "workspace");
+const char* to_string(CpuCall call) {
+  switch (call) {
+    case CpuCall::kCreateWorkspace:
+      return "workspace creation";
+    case CpuCall::kForward:
+      return "forward";
+    case CpuCall::kRecompute:
+      return "recompute_forward_context";
+    case CpuCall::kBackward:
+      return "backward";
+  }
+  return "?";
+}
+
+std::string disagreement(const std::vector<CpuRecord>& records, int rank) {
+  const CpuRecord& first = records[0];
+  std::string others;
+  for (size_t peer = 1; peer < records.size(); ++peer)
+    if (records[peer].call != first.call)
+      others += (others.empty() ? "" : ", ") + std::string(to_string(records[peer].call)) + " on rank " +
+                std::to_string(peer);
+  if (!others.empty())
+    return std::string("the ranks of the group made different calls: ") + to_string(first.call) +
+           " on rank 0 but " + others + "; every rank must make the same calls in the same order";
+  for (size_t peer = 1; peer < records.size(); ++peer)
+    if (records[peer].workspace_id != first.workspace_id)
+      others += (others.empty() ? "" : ", ") + describe_workspace(records[peer].workspace_id) + " on rank " +
+                std::to_string(peer);
+  if (!others.empty())
+    return std::string("the ranks called ") + to_string(first.call) +
+           " on different workspaces: " + describe_workspace(first.workspace_id) + " on rank 0 but " +
+           others + "; each rank must pass its own workspace of the same collective creation";
+  for (size_t peer = 0; peer < records.size(); ++peer) {
+    if (records[peer].error.empty()) continue;
+    return static_cast<int>(peer) == rank
+               ? records[peer].error
+               : "rank " + std::to_string(peer) + " rejected its inputs: " + records[peer].error;
+  }
+  std::vector<WorkspaceFields> fields;
+  for (const CpuRecord& record : records) fields.push_back(record.fields);
+  return workspace_disagreement(fields);
+}
+
+void create_workspace(WorkspaceState& state, const std::string& local_error) {
+  // The creating round's number names the workspace on every rank (each rank holds its own state).
+  state.cpu_id = exchange_arguments(state, record_of(state, CpuCall::kCreateWorkspace, 0, local_error),
+                                    nullptr, nullptr, nullptr);
 }
 
 void forward(WorkspaceState& state, const ForwardArgs& args, const std::string& local_error, bool write_out) {
-  publish(state, &args, local_error, "forward");
-  evaluate_on_rank0(state, "forward", [&](CpuGroup& group) {
-    std::vector<reference::RankInputs> inputs;
-    std::vector<reference::Weights> routed;
-    for (const void* published : group.published) {
-      const auto& rank_args = *static_cast<const ForwardArgs*>(published);
-      inputs.push_back(to_inputs(rank_args, nullptr));
-      routed.push_back(to_weights(rank_args.routed));
-    }
-    // Shared weights are data-parallel replicas; rank 0's copy is used for the whole group.
-    const auto& rank0 = *static_cast<const ForwardArgs*>(group.published[0]);
-    const reference::Weights shared =
-        state.shape.has_shared_expert() ? to_weights(rank0.shared) : reference::Weights{};
-    group.forward_results = reference::forward(make_problem(state), inputs, routed, shared);
-  });
-  reference::RankForward& mine = group_of(state).forward_results[state.group.rank()];
+  const CpuCall call = write_out ? CpuCall::kForward : CpuCall::kRecompute;
+  const int64_t num_tokens = local_error.empty() ? args.x.shape[0] : 0;
+  CpuPost post = record_of(state, call, num_tokens, local_error);
+  add_inputs(state, args, nullptr, post);
+  std::vector<reference::RankInputs> inputs;
+  std::vector<reference::Weights> routed;
+  reference::Weights shared;
+  exchange_arguments(state, std::move(post), &inputs, &routed, &shared);
+  reference::RankForward mine;
+  exchange_results(
+      state, call,
+      [&](CpuPost& results) {
+        results.forward = reference::forward(make_problem(state), inputs, routed, shared);
+      },
+      [&](CpuPost& results) { mine = std::move(results.forward[state.group.rank()]); });
   if (write_out) store(mine.out, args.out);
   state.cpu_context.valid = true;
-  state.cpu_context.num_tokens = args.x.shape[0];
-  state.cpu_context.saved = mine;
+  state.cpu_context.num_tokens = num_tokens;
+  state.cpu_context.saved = std::move(mine);
 }
 
 void backward(WorkspaceState& state, const BackwardArgs& args, const std::string& local_error) {
@@ -169,21 +239,20 @@ void backward(WorkspaceState& state, const BackwardArgs& args, const std::string
   if (error.empty() && state.cpu_context.num_tokens != args.inputs.x.shape[0])
     error = "backward got " + std::to_string(args.inputs.x.shape[0]) + " tokens but the saved forward had " +
             std::to_string(state.cpu_context.num_tokens) + "; pass the inputs of the matching forward";
-  publish(state, &args, error, "backward");
-  evaluate_on_rank0(state, "backward", [&](CpuGroup& group) {
-    std::vector<reference::RankInputs> inputs;
-    std::vector<reference::Weights> routed;
-    for (const void* published : group.published) {
-      const auto& rank_args = *static_cast<const BackwardArgs*>(published);
-      inputs.push_back(to_inputs(rank_args.inputs, &rank_args.d_out));
-      routed.push_back(to_weights(rank_args.inputs.routed));
-    }
-    const auto& rank0 = *static_cast<const BackwardArgs*>(group.published[0]);
-    const reference::Weights shared =
-        state.shape.has_shared_expert() ? to_weights(rank0.inputs.shared) : reference::Weights{};
-    group.gradient_results = reference::backward(make_problem(state), inputs, routed, shared);
-  });
-  const reference::RankGradients& mine = group_of(state).gradient_results[state.group.rank()];
+  const int64_t num_tokens = error.empty() ? args.inputs.x.shape[0] : 0;
+  CpuPost post = record_of(state, CpuCall::kBackward, num_tokens, error);
+  add_inputs(state, args.inputs, &args.d_out, post);
+  std::vector<reference::RankInputs> inputs;
+  std::vector<reference::Weights> routed;
+  reference::Weights shared;
+  exchange_arguments(state, std::move(post), &inputs, &routed, &shared);
+  reference::RankGradients mine;
+  exchange_results(
+      state, CpuCall::kBackward,
+      [&](CpuPost& results) {
+        results.gradients = reference::backward(make_problem(state), inputs, routed, shared);
+      },
+      [&](CpuPost& results) { mine = std::move(results.gradients[state.group.rank()]); });
   store(mine.d_x, args.d_x);
   store(mine.d_topk_weights, args.d_topk_weights);
   store(mine.d_routed.gate, args.d_routed.gate, args.accumulate_weight_grads);

@@ -1,30 +1,77 @@
 #include "src/host_barrier.h"
 
+#include <algorithm>
+
 #include "pounce/error.h"
 
 namespace pounce {
+namespace {
 
-void HostBarrier::arrive_and_wait(const std::string& what, int rank, std::chrono::milliseconds timeout) {
-  std::unique_lock lock(mutex_);
-  POUNCE_CHECK(!broken_, "rank ", rank, " cannot wait at '", what,
-               "': an earlier wait of this group timed out; create a new group");
-  const unsigned my_generation = generation_;
-  if (++num_waiting_ == num_threads_) {
-    num_waiting_ = 0;
-    ++generation_;
-    arrived_.notify_all();
-    return;
-  }
-  if (!arrived_.wait_for(lock, timeout, [&] { return generation_ != my_generation || broken_; })) {
-    const int arrived = num_waiting_;
-    broken_ = true;
-    arrived_.notify_all();
-    detail::fail("rank ", rank, " waited ", timeout.count(), " ms at '", what, "' but only ", arrived, " of ",
-                 num_threads_, " ranks arrived: a peer never called (or crashed); check that every rank ",
-                 "makes the same calls, or raise POUNCE_PEER_TIMEOUT_S");
-  }
-  POUNCE_CHECK(!broken_ || generation_ != my_generation, "rank ", rank, " left '", what,
-               "': a peer timed out at this barrier; create a new group");
+std::string rank_list(const std::vector<bool>& arrived, bool value) {
+  std::string out;
+  for (size_t rank = 0; rank < arrived.size(); ++rank)
+    if (arrived[rank] == value) out += (out.empty() ? "" : ", ") + std::to_string(rank);
+  return out;
+}
+
+// condition_variable::wait_for adds the timeout to the clock: a huge one (POUNCE_PEER_TIMEOUT_S = 1e12)
+// would overflow into the past and time out at once.
+constexpr std::chrono::milliseconds kLongestWait = std::chrono::hours(24 * 365 * 100);
+
+}  // namespace
+
+HostRounds::HostRounds(int num_ranks) : num_ranks_(num_ranks), arrived_(num_ranks, false) {}
+
+void HostRounds::break_and_fail(const std::string& reason) {
+  broken_ = reason;
+  changed.notify_all();
+  throw Error(reason);
+}
+
+bool HostRounds::arrive(int rank, const char* phase, const std::string& what) {
+  POUNCE_CHECK(broken_.empty(), "rank ", rank, " cannot start '", what, "': this group is unusable since ",
+               broken_, " (create a new group and its workspaces)");
+  if (rank < 0 || rank >= num_ranks_)
+    break_and_fail("rank " + std::to_string(rank) + " arrived at '" + what + "' but the group has ranks 0.." +
+                   std::to_string(num_ranks_ - 1));
+  if (arrived_[rank])
+    break_and_fail("rank " + std::to_string(rank) + " arrived twice at '" + what +
+                   "': one rank is driven from two threads; call each rank from its own thread only");
+  if (num_arrived_ > 0 && phase_ != phase)
+    break_and_fail("rank " + std::to_string(rank) + " arrived at '" + what + "' while rank(s) " +
+                   rank_list(arrived_, true) + " wait at a step of phase '" + phase_ +
+                   "': the group's threads are out of step (a rank driven from two threads?)");
+  if (num_arrived_ == 0) phase_ = phase;
+  arrived_[rank] = true;
+  return ++num_arrived_ == num_ranks_;
+}
+
+void HostRounds::check_previous_taken(int rank, const std::string& what) {
+  if (takers_left_ != 0)
+    break_and_fail("rank " + std::to_string(rank) + " completed '" + what + "' while " +
+                   std::to_string(takers_left_) +
+                   " rank(s) had not left the previous step: one rank is driven from two threads");
+}
+
+void HostRounds::complete() {
+  ++completed_;
+  std::fill(arrived_.begin(), arrived_.end(), false);
+  num_arrived_ = 0;
+  phase_.clear();
+  takers_left_ = num_ranks_;
+  changed.notify_all();
+}
+
+void HostRounds::wait(std::unique_lock<std::mutex>& lock, uint64_t round, int rank, const std::string& what,
+                      std::chrono::milliseconds timeout) {
+  const auto bounded = std::min(timeout, kLongestWait);
+  if (!changed.wait_for(lock, bounded, [&] { return completed_ >= round || !broken_.empty(); }))
+    break_and_fail("rank " + std::to_string(rank) + " waited " + std::to_string(timeout.count()) +
+                   " ms at '" + what + "' but rank(s) " + rank_list(arrived_, false) + " of " +
+                   std::to_string(num_ranks_) +
+                   " never arrived: a peer never called (it stopped, crashed, or makes other calls); check "
+                   "that every rank makes the same calls, or raise POUNCE_PEER_TIMEOUT_S");
+  if (completed_ < round) detail::fail("rank ", rank, " left '", what, "' unfinished: ", broken_);
 }
 
 }  // namespace pounce

@@ -1,9 +1,14 @@
 #include "src/validation.h"
 
+#include <bit>
+#include <charconv>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "pounce/error.h"
+#include "pounce/fp8.h"
+#include "src/state.h"
 
 namespace pounce {
 namespace {
@@ -14,11 +19,23 @@ std::string shape_string(const std::vector<int64_t>& shape) {
   return out + "]";
 }
 
-DeviceKind expected_device(const Workspace& workspace) {
-  return workspace.group().backend() == Backend::kGpu ? DeviceKind::kCuda : DeviceKind::kCpu;
+// The device every tensor of a call must be on: the workspace's. On GPUs a tensor's index is checked against
+// the workspace's device once it is known (WorkspaceState::device_id), else against the call's 'x'.
+struct Device {
+  DeviceKind kind = DeviceKind::kCpu;
+  int index = 0;
+  const char* known_from = "the workspace";
+  std::string name() const { return kind == DeviceKind::kCpu ? "cpu" : "cuda:" + std::to_string(index); }
+};
+
+Device expected_device(const Workspace& workspace, const TensorView& x) {
+  if (workspace.group().backend() != Backend::kGpu) return {};
+  const int index = workspace.state().device_id;
+  if (index >= 0) return {DeviceKind::kCuda, index};
+  return {DeviceKind::kCuda, x.device_id, "argument 'x'"};
 }
 
-void check_tensor(const Workspace& workspace, const char* name, const TensorView& view,
+void check_tensor(const Device& device, const std::string& name, const TensorView& view,
                   std::initializer_list<DType> dtypes, const std::vector<int64_t>& shape) {
   POUNCE_CHECK(!view.is_none(), "argument '", name, "' is missing; pass a tensor of shape ",
                shape_string(shape));
@@ -31,10 +48,14 @@ void check_tensor(const Workspace& workspace, const char* name, const TensorView
   POUNCE_CHECK(dtype_ok, "argument '", name, "' is ", view.describe(), "; it must be ", allowed);
   POUNCE_CHECK(view.shape == shape, "argument '", name, "' is ", view.describe(), "; expected shape ",
                shape_string(shape));
-  const DeviceKind device = expected_device(workspace);
-  POUNCE_CHECK(view.device == device, "argument '", name, "' is ", view.describe(),
-               " but the workspace runs on ", device == DeviceKind::kCuda ? "cuda" : "cpu",
+  POUNCE_CHECK(view.device == device.kind, "argument '", name, "' is ", view.describe(),
+               " but the workspace runs on ", device.kind == DeviceKind::kCuda ? "cuda" : "cpu",
                "; move it there");
+  POUNCE_CHECK(view.device_id == device.index, "argument '", name, "' is ", view.describe(),
+               " (device index ", view.device_id, ") but ", device.known_from, " is on ", device.name(),
+               device.kind == DeviceKind::kCpu ? " (host tensors have device index 0)" : "",
+               "; pass every tensor of the call on the workspace's device",
+               device.kind == DeviceKind::kCuda ? " (torch: .to('" + device.name() + "'))" : std::string());
   POUNCE_CHECK(view.numel() == 0 || view.data != nullptr, "argument '", name, "' has a null data pointer");
   POUNCE_CHECK(
       reinterpret_cast<uintptr_t>(view.data) % 16 == 0, "argument '", name, "' (", view.describe(),
@@ -42,27 +63,65 @@ void check_tensor(const Workspace& workspace, const char* name, const TensorView
       "tensor that starts at its allocation or at a 16-byte multiple");
 }
 
-void check_optional_none(const char* name, const TensorView& view) {
+void check_optional_none(const std::string& name, const TensorView& view) {
   POUNCE_CHECK(view.is_none(), "argument '", name, "' is ", view.describe(),
                " but shape.shared_intermediate is 0 (no shared expert); leave it empty or set the shape");
 }
 
 bool overlaps(const TensorView& a, const TensorView& b) {
   if (a.is_none() || b.is_none() || a.numel() == 0 || b.numel() == 0) return false;
+  if (a.device != b.device || a.device_id != b.device_id) return false;
   const auto* a_begin = static_cast<const char*>(a.data);
   const auto* b_begin = static_cast<const char*>(b.data);
   return a_begin < b_begin + b.bytes() && b_begin < a_begin + a.bytes();
 }
 
-void check_weights(const Workspace& workspace, const char* prefix, const ExpertWeights& weights, bool shared,
-                   std::initializer_list<DType> dtypes) {
+// The tensors of one call by name, in argument order: what it reads and what it writes.
+using NamedViews = std::vector<std::pair<std::string, const TensorView*>>;
+
+void add_weights(NamedViews& views, const std::string& prefix, const ExpertWeights& weights) {
+  views.push_back({prefix + ".gate", &weights.gate});
+  views.push_back({prefix + ".up", &weights.up});
+  views.push_back({prefix + ".down", &weights.down});
+}
+
+NamedViews forward_inputs(const ForwardArgs& args) {
+  NamedViews inputs = {{"x", &args.x}, {"topk_idx", &args.topk_idx}, {"topk_weights", &args.topk_weights}};
+  add_weights(inputs, "routed", args.routed);
+  add_weights(inputs, "shared", args.shared);
+  if (const Fp8Weights* fp8 = args.routed_fp8) {
+    const std::pair<const char*, const Fp8Tensor*> tensors[] = {
+        {"gate", &fp8->gate},     {"up", &fp8->up},     {"down", &fp8->down},
+        {"gate_t", &fp8->gate_t}, {"up_t", &fp8->up_t}, {"down_t", &fp8->down_t}};
+    for (const auto& [name, tensor] : tensors) {
+      inputs.push_back({std::string("routed_fp8.") + name + ".data", &tensor->data});
+      inputs.push_back({std::string("routed_fp8.") + name + ".scale", &tensor->scale});
+    }
+  }
+  return inputs;
+}
+
+// Outputs are written while inputs are still read (and by other ranks' pushes on GPUs), so an output may
+// share memory with no input and no other output; inputs may share memory with each other.
+void check_no_aliasing(const NamedViews& inputs, const NamedViews& outputs) {
+  for (size_t o = 0; o < outputs.size(); ++o) {
+    const auto& [name, output] = outputs[o];
+    for (const auto& [input_name, input] : inputs)
+      POUNCE_CHECK(!overlaps(*output, *input), "argument '", name, "' overlaps argument '", input_name,
+                   "', an input of the call; pass an output buffer that shares no memory with the inputs");
+    for (size_t other = 0; other < o; ++other)
+      POUNCE_CHECK(!overlaps(*output, *outputs[other].second), "arguments '", outputs[other].first, "' and '",
+                   name, "' overlap; both are written, so give each output its own buffer");
+  }
+}
+
+void check_weights(const Workspace& workspace, const Device& device, const std::string& prefix,
+                   const ExpertWeights& weights, bool shared, std::initializer_list<DType> dtypes) {
   const Shape& s = workspace.shape();
-  const std::string gate = std::string(prefix) + ".gate", up = std::string(prefix) + ".up",
-                    down = std::string(prefix) + ".down";
   if (shared && !s.has_shared_expert()) {
-    check_optional_none(gate.c_str(), weights.gate);
-    check_optional_none(up.c_str(), weights.up);
-    check_optional_none(down.c_str(), weights.down);
+    check_optional_none(prefix + ".gate", weights.gate);
+    check_optional_none(prefix + ".up", weights.up);
+    check_optional_none(prefix + ".down", weights.down);
     return;
   }
   const std::vector<int64_t> gate_shape =
@@ -71,9 +130,27 @@ void check_weights(const Workspace& workspace, const char* prefix, const ExpertW
   const std::vector<int64_t> down_shape =
       shared ? std::vector<int64_t>{s.hidden, s.shared_intermediate}
              : std::vector<int64_t>{s.num_local_experts(), s.hidden, s.intermediate};
-  check_tensor(workspace, gate.c_str(), weights.gate, dtypes, gate_shape);
-  check_tensor(workspace, up.c_str(), weights.up, dtypes, gate_shape);
-  check_tensor(workspace, down.c_str(), weights.down, dtypes, down_shape);
+  check_tensor(device, prefix + ".gate", weights.gate, dtypes, gate_shape);
+  check_tensor(device, prefix + ".up", weights.up, dtypes, gate_shape);
+  check_tensor(device, prefix + ".down", weights.down, dtypes, down_shape);
+}
+
+// The quantized routed weights, as pounce::quantize_weights_fp8 writes them (include/pounce/fp8.h).
+void check_fp8_weights(const Workspace& workspace, const Device& device, const Fp8Weights& fp8) {
+  const Shape& s = workspace.shape();
+  const int64_t El = s.num_local_experts(), H = s.hidden, I = s.intermediate;
+  const std::pair<const char*, const Fp8Tensor*> tensors[] = {{"gate", &fp8.gate}, {"up", &fp8.up},
+                                                              {"down", &fp8.down}, {"gate_t", &fp8.gate_t},
+                                                              {"up_t", &fp8.up_t}, {"down_t", &fp8.down_t}};
+  const int64_t rows[] = {I, I, H, H, H, I};
+  for (int i = 0; i < 6; ++i) {
+    const std::string name = std::string("routed_fp8.") + tensors[i].first;
+    const int64_t n = rows[i], k = rows[i] == I ? H : I;
+    check_tensor(device, name + ".data", tensors[i].second->data, {DType::kFP8E4M3, DType::kUInt8},
+                 {El, n, k});
+    check_tensor(device, name + ".scale", tensors[i].second->scale, {DType::kFP32},
+                 {El, (n + kFp8Block - 1) / kFp8Block, (k + kFp8Block - 1) / kFp8Block});
+  }
 }
 
 // Routing lives in host memory only on the CPU backend; on GPUs the schedule kernel rejects bad ids.
@@ -89,55 +166,172 @@ void check_routing_ids(const Workspace& workspace, const TensorView& topk_idx) {
   }
 }
 
-}  // namespace
-
-void validate_forward_args(const Workspace& workspace, const ForwardArgs& args, bool check_out) {
+void check_forward_inputs(const Workspace& workspace, const ForwardArgs& args, const Device& device) {
   const Shape& s = workspace.shape();
-  POUNCE_CHECK(!args.x.is_none() && args.x.rank() == 2, "argument 'x' must be a [T, ", s.hidden,
-               "] bf16 tensor; got ", args.x.is_none() ? std::string("none") : args.x.describe());
   const int64_t num_tokens = args.x.shape[0];
-  POUNCE_CHECK(num_tokens <= s.max_tokens, "argument 'x' has ", num_tokens,
-               " tokens but the workspace was sized ", "for max_tokens = ", s.max_tokens,
-               "; create the workspace with a larger Shape::max_tokens");
-  check_tensor(workspace, "x", args.x, {DType::kBF16}, {num_tokens, s.hidden});
-  check_tensor(workspace, "topk_idx", args.topk_idx, {DType::kInt32, DType::kInt64},
-               {num_tokens, s.num_topk});
-  check_tensor(workspace, "topk_weights", args.topk_weights, {DType::kFP32}, {num_tokens, s.num_topk});
-  check_weights(workspace, "routed", args.routed, false, {DType::kBF16});
-  check_weights(workspace, "shared", args.shared, true, {DType::kBF16});
+  check_tensor(device, "x", args.x, {DType::kBF16}, {num_tokens, s.hidden});
+  check_tensor(device, "topk_idx", args.topk_idx, {DType::kInt32, DType::kInt64}, {num_tokens, s.num_topk});
+  check_tensor(device, "topk_weights", args.topk_weights, {DType::kFP32}, {num_tokens, s.num_topk});
+  check_weights(workspace, device, "routed", args.routed, false, {DType::kBF16});
+  check_weights(workspace, device, "shared", args.shared, true, {DType::kBF16});
   POUNCE_CHECK(workspace.config().precision == Precision::kBF16 || args.routed_fp8 != nullptr,
                "argument 'routed_fp8' is missing but config.precision is fp8; quantize the weights with ",
                "pounce::quantize_weights_fp8 and pass them");
+  if (args.routed_fp8 != nullptr) check_fp8_weights(workspace, device, *args.routed_fp8);
   check_routing_ids(workspace, args.topk_idx);
+}
+
+void check_token_count(const Workspace& workspace, const TensorView& x) {
+  const Shape& s = workspace.shape();
+  POUNCE_CHECK(!x.is_none() && x.rank() == 2, "argument 'x' must be a [T, ", s.hidden, "] bf16 tensor; got ",
+               x.is_none() ? std::string("none") : x.describe());
+  POUNCE_CHECK(x.shape[0] <= s.max_tokens, "argument 'x' has ", x.shape[0],
+               " tokens but the workspace was sized for max_tokens = ", s.max_tokens,
+               "; create the workspace with a larger Shape::max_tokens");
+}
+
+// Shortest text that reads back as the same float.
+std::string float_string(float value) {
+  char text[32];
+  const auto result = std::to_chars(text, text + sizeof(text), value);
+  return std::string(text, result.ptr);
+}
+
+int64_t float_bits(float value) {
+  return std::bit_cast<uint32_t>(value);
+}
+
+}  // namespace
+
+void validate_forward_args(const Workspace& workspace, const ForwardArgs& args, bool check_out) {
+  check_token_count(workspace, args.x);
+  const Device device = expected_device(workspace, args.x);
+  check_forward_inputs(workspace, args, device);
   if (!check_out) return;
-  check_tensor(workspace, "out", args.out, {DType::kBF16}, {num_tokens, s.hidden});
-  POUNCE_CHECK(!overlaps(args.out, args.x) && !overlaps(args.out, args.topk_idx) &&
-                   !overlaps(args.out, args.topk_weights),
-               "argument 'out' overlaps an input tensor; pass a separate output buffer");
+  check_tensor(device, "out", args.out, {DType::kBF16}, {args.x.shape[0], workspace.shape().hidden});
+  check_no_aliasing(forward_inputs(args), {{"out", &args.out}});
 }
 
 void validate_backward_args(const Workspace& workspace, const BackwardArgs& args) {
-  validate_forward_args(workspace, args.inputs, false);
+  check_token_count(workspace, args.inputs.x);
+  const Device device = expected_device(workspace, args.inputs.x);
+  check_forward_inputs(workspace, args.inputs, device);
   const Shape& s = workspace.shape();
   const int64_t num_tokens = args.inputs.x.shape[0];
-  check_tensor(workspace, "d_out", args.d_out, {DType::kBF16}, {num_tokens, s.hidden});
-  check_tensor(workspace, "d_x", args.d_x, {DType::kBF16}, {num_tokens, s.hidden});
-  check_tensor(workspace, "d_topk_weights", args.d_topk_weights, {DType::kFP32}, {num_tokens, s.num_topk});
+  check_tensor(device, "d_out", args.d_out, {DType::kBF16}, {num_tokens, s.hidden});
+  check_tensor(device, "d_x", args.d_x, {DType::kBF16}, {num_tokens, s.hidden});
+  check_tensor(device, "d_topk_weights", args.d_topk_weights, {DType::kFP32}, {num_tokens, s.num_topk});
   if (args.accumulate_weight_grads) {  // main_grad accumulation is fp32 only
-    check_weights(workspace, "d_routed", args.d_routed, false, {DType::kFP32});
-    check_weights(workspace, "d_shared", args.d_shared, true, {DType::kFP32});
+    check_weights(workspace, device, "d_routed", args.d_routed, false, {DType::kFP32});
+    check_weights(workspace, device, "d_shared", args.d_shared, true, {DType::kFP32});
   } else {
-    check_weights(workspace, "d_routed", args.d_routed, false, {DType::kBF16, DType::kFP32});
-    check_weights(workspace, "d_shared", args.d_shared, true, {DType::kBF16, DType::kFP32});
+    check_weights(workspace, device, "d_routed", args.d_routed, false, {DType::kBF16, DType::kFP32});
+    check_weights(workspace, device, "d_shared", args.d_shared, true, {DType::kBF16, DType::kFP32});
   }
-  const TensorView* inputs[] = {&args.inputs.x, &args.inputs.topk_idx, &args.inputs.topk_weights,
-                                &args.d_out};
-  const std::pair<const char*, const TensorView*> outputs[] = {{"d_x", &args.d_x},
-                                                               {"d_topk_weights", &args.d_topk_weights}};
-  for (const auto& [name, output] : outputs)
-    for (const TensorView* input : inputs)
-      POUNCE_CHECK(!overlaps(*output, *input), "argument '", name,
-                   "' overlaps an input tensor; pass a separate ", "output buffer");
+  NamedViews inputs = forward_inputs(args.inputs);
+  inputs.push_back({"d_out", &args.d_out});
+  NamedViews outputs = {{"d_x", &args.d_x}, {"d_topk_weights", &args.d_topk_weights}};
+  add_weights(outputs, "d_routed", args.d_routed);
+  add_weights(outputs, "d_shared", args.d_shared);
+  check_no_aliasing(inputs, outputs);
+}
+
+WorkspaceFields WorkspaceFields::of(const Shape& shape, const Config& config) {
+  // Bound by name: a field added to Shape, Config or Activation breaks these lines until it is listed here
+  // (and in name() and show()), so ranks never disagree on a field nobody compares.
+  const auto& [max_tokens, hidden, intermediate, num_experts, num_topk, shared_intermediate, num_ranks] =
+      shape;
+  const auto& [forward_comm_sms, backward_comm_sms, minibatch_size, macrobatch_size, activation, precision,
+               deterministic, backend, kernel_path, backward_kernel_path, combine] = config;
+  const auto& [kind, clamp_limit, alpha] = activation;
+  WorkspaceFields fields;
+  fields.values = {max_tokens,
+                   hidden,
+                   intermediate,
+                   num_experts,
+                   num_topk,
+                   shared_intermediate,
+                   num_ranks,
+                   forward_comm_sms,
+                   backward_comm_sms,
+                   minibatch_size,
+                   macrobatch_size,
+                   static_cast<int64_t>(kind),
+                   clamp_limit ? float_bits(*clamp_limit) : int64_t{-1},
+                   float_bits(alpha),
+                   static_cast<int64_t>(precision),
+                   deterministic ? 1 : 0,
+                   static_cast<int64_t>(backend),
+                   static_cast<int64_t>(kernel_path),
+                   static_cast<int64_t>(backward_kernel_path),
+                   static_cast<int64_t>(combine)};
+  return fields;
+}
+
+const char* WorkspaceFields::name(int field) {
+  static constexpr const char* kNames[kCount] = {"shape.max_tokens",
+                                                 "shape.hidden",
+                                                 "shape.intermediate",
+                                                 "shape.num_experts",
+                                                 "shape.num_topk",
+                                                 "shape.shared_intermediate",
+                                                 "shape.num_ranks",
+                                                 "config.forward_comm_sms",
+                                                 "config.backward_comm_sms",
+                                                 "config.minibatch_size",
+                                                 "config.macrobatch_size",
+                                                 "config.activation.kind",
+                                                 "config.activation.clamp_limit",
+                                                 "config.activation.alpha",
+                                                 "config.precision",
+                                                 "config.deterministic",
+                                                 "config.backend",
+                                                 "config.kernel_path",
+                                                 "config.backward_kernel_path",
+                                                 "config.combine"};
+  return field >= 0 && field < kCount ? kNames[field] : "?";
+}
+
+std::string WorkspaceFields::show(int field, int64_t value) {
+  switch (field) {
+    case 11:
+      return to_string(static_cast<ActivationKind>(value));
+    case 12:
+      return value < 0 ? "none" : float_string(std::bit_cast<float>(static_cast<uint32_t>(value)));
+    case 13:
+      return float_string(std::bit_cast<float>(static_cast<uint32_t>(value)));
+    case 14:
+      return to_string(static_cast<Precision>(value));
+    case 15:
+      return value ? "true" : "false";
+    case 16:
+      return to_string(static_cast<Backend>(value));
+    case 17:
+    case 18:
+      return to_string(static_cast<KernelPath>(value));
+    case 19:
+      return to_string(static_cast<CombineMode>(value));
+    default:
+      return std::to_string(value);
+  }
+}
+
+std::string workspace_disagreement(const std::vector<WorkspaceFields>& ranks) {
+  for (int field = 0; field < WorkspaceFields::kCount; ++field) {
+    const int64_t first = ranks[0].values[field];
+    std::string others;
+    for (size_t rank = 1; rank < ranks.size(); ++rank) {
+      const int64_t value = ranks[rank].values[field];
+      if (value != first)
+        others += (others.empty() ? "" : ", ") + WorkspaceFields::show(field, value) + " on rank " +
+                  std::to_string(rank);
+    }
+    if (!others.empty())
+      return std::string("ranks created the workspace with different ") + WorkspaceFields::name(field) +
+             ": " + WorkspaceFields::show(field, first) + " on rank 0 but " + others +
+             "; every rank of the group must pass the same Shape and Config";
+  }
+  return {};
 }
 
 }  // namespace pounce

@@ -4,10 +4,13 @@
 #include "pounce/error.h"
 #include "src/cpu_backend.h"
 #include "src/state.h"
+#include "src/validation.h"
 
 namespace pounce {
 
-Workspace::Workspace(const Group& group, const Shape& shape, const Config& config) {
+namespace {
+
+void check_workspace_args(const Group& group, const Shape& shape, const Config& config) {
   validate(shape);
   validate(config, shape);
   POUNCE_CHECK(shape.num_ranks == group.num_ranks(), "shape.num_ranks = ", shape.num_ranks,
@@ -16,12 +19,22 @@ Workspace::Workspace(const Group& group, const Shape& shape, const Config& confi
                "config.backend = ", to_string(config.backend), " but the group runs on ",
                to_string(group.backend()),
                "; create the group on the backend you want (or leave config.backend = auto)");
-  state_ = std::make_unique<WorkspaceState>(group, shape, config);
+}
+
+}  // namespace
+
+Workspace::Workspace(const Group& group, const Shape& shape, const Config& config) {
   if (group.backend() == Backend::kCpu) {
-    cpu::create_workspace(*state_);
-  } else {
-    state_->gpu = gpu::create_workspace(group.state().gpu, group.rank(), shape, config, state_->environment);
+    // A rank's bad shape or config fails the whole group at once instead of leaving its peers waiting.
+    const std::string error = error_of([&] { check_workspace_args(group, shape, config); });
+    state_ = std::make_unique<WorkspaceState>(group, shape, config);
+    cpu::create_workspace(*state_, error);
+    return;
   }
+  check_workspace_args(group, shape, config);
+  state_ = std::make_unique<WorkspaceState>(group, shape, config);
+  state_->device_id = -1;
+  state_->gpu = gpu::create_workspace(group.state().gpu, group.rank(), shape, config, state_->environment);
 }
 
 Workspace::~Workspace() = default;

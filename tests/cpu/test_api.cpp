@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "api_fixtures.h"
 #include "pounce/pounce.h"
 #include "reference/bf16.h"
 #include "reference/reference.h"
@@ -20,143 +21,7 @@ namespace {
 using reference::bf16_to_double;
 using reference::float_to_bf16_bits;
 
-constexpr uint16_t kPoisonBf16 = 0xFFFF;  // a NaN: any element left unwritten shows
-
-// Host buffers of one rank, filled with random bf16-representable values; `views()` wraps them.
-struct RankData {
-  int64_t num_tokens = 0;
-  std::vector<uint16_t> x, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, out, d_out, d_x;
-  std::vector<int32_t> topk_idx;
-  std::vector<float> topk_weights, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down;
-
-  RankData(const Shape& s, int64_t tokens, int rank, uint64_t seed) : num_tokens(tokens) {
-    std::mt19937_64 rng(seed * 1000 + rank);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    auto fill = [&](std::vector<uint16_t>& v, int64_t n, float scale) {
-      v.resize(n);
-      for (auto& e : v) e = float_to_bf16_bits(normal(rng) * scale);
-    };
-    const int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts(), Is = s.shared_intermediate;
-    fill(x, tokens * H, 1.0f);
-    fill(d_out, tokens * H, 1.0f);
-    fill(w_gate, El * I * H, 1.0f / std::sqrt(float(H)));
-    fill(w_up, El * I * H, 1.0f / std::sqrt(float(H)));
-    fill(w_down, El * H * I, 1.0f / std::sqrt(float(I)));
-    // Shared weights are replicas: the same seed on every rank.
-    std::mt19937_64 shared_rng(seed);
-    std::swap(rng, shared_rng);
-    fill(ws_gate, Is * H, 1.0f / std::sqrt(float(H)));
-    fill(ws_up, Is * H, 1.0f / std::sqrt(float(H)));
-    fill(ws_down, H * Is, Is ? 1.0f / std::sqrt(float(Is)) : 0.0f);
-    std::swap(rng, shared_rng);
-    topk_idx.resize(tokens * s.num_topk);
-    topk_weights.resize(tokens * s.num_topk);
-    std::vector<int32_t> experts(s.num_experts);
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::iota(experts.begin(), experts.end(), 0);
-      std::shuffle(experts.begin(), experts.end(), rng);
-      for (int64_t j = 0; j < s.num_topk; ++j) {
-        topk_idx[t * s.num_topk + j] = experts[j];
-        topk_weights[t * s.num_topk + j] = 0.1f + std::abs(normal(rng));
-      }
-    }
-    out.assign(tokens * H, kPoisonBf16);
-    d_x.assign(tokens * H, kPoisonBf16);
-    d_topk_weights.assign(tokens * s.num_topk, NAN);
-    d_w_gate.assign(w_gate.size(), NAN);
-    d_w_up.assign(w_up.size(), NAN);
-    d_w_down.assign(w_down.size(), NAN);
-    d_ws_gate.assign(ws_gate.size(), NAN);
-    d_ws_up.assign(ws_up.size(), NAN);
-    d_ws_down.assign(ws_down.size(), NAN);
-  }
-
-  ForwardArgs forward_args(const Shape& s) {
-    const int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts(), Is = s.shared_intermediate;
-    ForwardArgs args;
-    args.x = {x.data(), DType::kBF16, {num_tokens, H}};
-    args.topk_idx = {topk_idx.data(), DType::kInt32, {num_tokens, s.num_topk}};
-    args.topk_weights = {topk_weights.data(), DType::kFP32, {num_tokens, s.num_topk}};
-    args.routed = {{w_gate.data(), DType::kBF16, {El, I, H}},
-                   {w_up.data(), DType::kBF16, {El, I, H}},
-                   {w_down.data(), DType::kBF16, {El, H, I}}};
-    if (Is > 0)
-      args.shared = {{ws_gate.data(), DType::kBF16, {Is, H}},
-                     {ws_up.data(), DType::kBF16, {Is, H}},
-                     {ws_down.data(), DType::kBF16, {H, Is}}};
-    args.out = {out.data(), DType::kBF16, {num_tokens, H}};
-    return args;
-  }
-
-  BackwardArgs backward_args(const Shape& s) {
-    const int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts(), Is = s.shared_intermediate;
-    BackwardArgs args;
-    args.inputs = forward_args(s);
-    args.d_out = {d_out.data(), DType::kBF16, {num_tokens, H}};
-    args.d_x = {d_x.data(), DType::kBF16, {num_tokens, H}};
-    args.d_topk_weights = {d_topk_weights.data(), DType::kFP32, {num_tokens, s.num_topk}};
-    args.d_routed = {{d_w_gate.data(), DType::kFP32, {El, I, H}},
-                     {d_w_up.data(), DType::kFP32, {El, I, H}},
-                     {d_w_down.data(), DType::kFP32, {El, H, I}}};
-    if (Is > 0)
-      args.d_shared = {{d_ws_gate.data(), DType::kFP32, {Is, H}},
-                       {d_ws_up.data(), DType::kFP32, {Is, H}},
-                       {d_ws_down.data(), DType::kFP32, {H, Is}}};
-    return args;
-  }
-};
-
-Shape small_shape(int64_t ranks) {
-  return {.max_tokens = 40,
-          .hidden = 64,
-          .intermediate = 64,
-          .num_experts = 8,
-          .num_topk = 2,
-          .shared_intermediate = 64,
-          .num_ranks = ranks};
-}
-
-// Runs `body(rank)` on one thread per rank; returns each rank's exception message ("" = none).
-std::vector<std::string> on_every_rank(int num_ranks, const std::function<void(int)>& body) {
-  std::vector<std::string> errors(num_ranks);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < num_ranks; ++rank)
-    threads.emplace_back([&, rank] {
-      try {
-        body(rank);
-      } catch (const std::exception& error) {
-        errors[rank] = error.what();
-      }
-    });
-  for (auto& thread : threads) thread.join();
-  return errors;
-}
-
-// One rank's routed weights quantized by pounce::quantize_weights_fp8 (both orientations), as a caller
-// passes them in ForwardArgs::routed_fp8.
-struct RankFp8Weights {
-  std::vector<std::vector<uint8_t>> data;
-  std::vector<std::vector<float>> scale;
-  Fp8Weights views;
-
-  RankFp8Weights(const Shape& s, RankData& rank) {
-    const int64_t H = s.hidden, I = s.intermediate, El = s.num_local_experts();
-    const std::vector<int64_t> shapes[6] = {{El, I, H}, {El, I, H}, {El, H, I},
-                                            {El, H, I}, {El, H, I}, {El, I, H}};
-    Fp8Tensor* tensors[6] = {&views.gate, &views.up, &views.down, &views.gate_t, &views.up_t, &views.down_t};
-    data.resize(6);
-    scale.resize(6);
-    for (int i = 0; i < 6; ++i) {
-      const int64_t bn = (shapes[i][1] + kFp8Block - 1) / kFp8Block,
-                    bk = (shapes[i][2] + kFp8Block - 1) / kFp8Block;
-      data[i].assign(El * shapes[i][1] * shapes[i][2], 0xFF);
-      scale[i].assign(El * bn * bk, NAN);
-      *tensors[i] = {TensorView(data[i].data(), DType::kUInt8, shapes[i]),
-                     TensorView(scale[i].data(), DType::kFP32, {El, bn, bk})};
-    }
-    quantize_weights_fp8(rank.forward_args(s).routed, views);
-  }
-};
+using namespace pounce::api_testing;
 
 // The API over two ranks of the CPU backend, bitwise the reference at `precision` (FP8: the FP8 layer,
 // its every quantization point).
@@ -280,6 +145,109 @@ TEST(Api, RejectsMissingSharedWeights) {
 }
 TEST(Api, RejectsAliasedOutput) {
   expect_rejected([](ForwardArgs& args) { args.out.data = args.x.data; }, "'out' overlaps");
+}
+
+TEST(Api, RejectsOutputOverlappingRoutedWeights) {
+  expect_rejected([](ForwardArgs& args) { args.out.data = args.routed.down.data; },
+                  "'out' overlaps argument 'routed.down'");
+}
+TEST(Api, RejectsOutputOverlappingSharedWeights) {
+  expect_rejected([](ForwardArgs& args) { args.out.data = static_cast<uint16_t*>(args.shared.up.data) + 64; },
+                  "'out' overlaps argument 'shared.up'");
+}
+TEST(Api, RejectsOutputOverlappingTopkWeights) {
+  expect_rejected([](ForwardArgs& args) { args.out.data = args.topk_weights.data; },
+                  "'out' overlaps argument 'topk_weights'");
+}
+TEST(Api, RejectsHostTensorWithAnotherDeviceIndex) {
+  expect_rejected([](ForwardArgs& args) { args.topk_weights.device_id = 1; },
+                  "'topk_weights' is fp32[16, 2] on cpu (device index 1)");
+}
+TEST(Api, RejectsCudaTensorOnTheCpuBackend) {
+  expect_rejected([](ForwardArgs& args) { args.routed.up.device = DeviceKind::kCuda; },
+                  "'routed.up' is bf16[4, 64, 64] on cuda:0 but the workspace runs on cpu");
+}
+
+// One rank passes a bad backward argument: every rank fails naming it, and no gradient is written.
+void expect_backward_rejected(const std::function<void(BackwardArgs&)>& corrupt, const std::string& needle) {
+  const int R = 2;
+  const Shape shape = small_shape(R);
+  std::vector<RankData> data;
+  for (int r = 0; r < R; ++r) data.emplace_back(shape, 16, r, 3);
+  auto groups = Group::create_cpu(R);
+  auto errors = on_every_rank(R, [&](int r) {
+    Workspace workspace(groups[r], shape, Config{});
+    forward(workspace, data[r].forward_args(shape));
+    BackwardArgs args = data[r].backward_args(shape);
+    if (r == 1) corrupt(args);
+    backward(workspace, args);
+  });
+  for (int r = 0; r < R; ++r) {
+    EXPECT_NE(errors[r].find(needle), std::string::npos) << "rank " << r << " said: " << errors[r];
+    for (uint16_t bits : data[r].d_x) ASSERT_EQ(bits, kPoisonBf16) << "d_x was written despite the error";
+    for (float value : data[r].d_topk_weights) ASSERT_TRUE(std::isnan(value)) << "d_topk_weights was written";
+    for (const auto* grad : {&data[r].d_w_gate, &data[r].d_w_up, &data[r].d_w_down, &data[r].d_ws_down})
+      for (float value : *grad) ASSERT_TRUE(std::isnan(value)) << "a weight gradient was written";
+  }
+}
+
+TEST(Api, RejectsInputGradientOverlappingRoutedWeightGradient) {
+  expect_backward_rejected([](BackwardArgs& args) { args.d_x.data = args.d_routed.gate.data; },
+                           "arguments 'd_x' and 'd_routed.gate' overlap");
+}
+TEST(Api, RejectsInputGradientOverlappingSharedWeightGradient) {
+  expect_backward_rejected([](BackwardArgs& args) { args.d_shared.up.data = args.d_x.data; },
+                           "arguments 'd_x' and 'd_shared.up' overlap");
+}
+TEST(Api, RejectsTopkWeightGradientOverlappingInputGradient) {
+  expect_backward_rejected([](BackwardArgs& args) { args.d_topk_weights.data = args.d_x.data; },
+                           "arguments 'd_x' and 'd_topk_weights' overlap");
+}
+TEST(Api, RejectsWeightGradientsOverlappingEachOther) {
+  expect_backward_rejected(
+      [](BackwardArgs& args) { args.d_routed.up.data = static_cast<float*>(args.d_routed.gate.data) + 4; },
+      "arguments 'd_routed.gate' and 'd_routed.up' overlap");
+}
+TEST(Api, RejectsSharedGradientOverlappingRoutedGradient) {
+  expect_backward_rejected([](BackwardArgs& args) { args.d_shared.down.data = args.d_routed.down.data; },
+                           "arguments 'd_routed.down' and 'd_shared.down' overlap");
+}
+TEST(Api, RejectsWeightGradientOverlappingItsWeight) {
+  expect_backward_rejected(
+      [](BackwardArgs& args) {
+        args.d_routed.down.data = args.inputs.routed.down.data;
+        args.d_routed.down.dtype = DType::kBF16;
+      },
+      "'d_routed.down' overlaps argument 'routed.down'");
+}
+TEST(Api, RejectsInputGradientOverlappingOutputGradient) {
+  expect_backward_rejected([](BackwardArgs& args) { args.d_x.data = args.d_out.data; },
+                           "'d_x' overlaps argument 'd_out'");
+}
+TEST(Api, RejectsGradientOnAnotherDeviceIndex) {
+  expect_backward_rejected([](BackwardArgs& args) { args.d_routed.up.device_id = 2; },
+                           "'d_routed.up' is fp32[4, 64, 64] on cpu (device index 2)");
+}
+TEST(Api, RejectsBackwardWithOtherTokensThanItsForward) {
+  expect_backward_rejected(
+      [](BackwardArgs& args) {
+        for (TensorView* view : {&args.inputs.x, &args.inputs.topk_idx, &args.inputs.topk_weights,
+                                 &args.d_out, &args.d_x, &args.d_topk_weights})
+          view->shape[0] = 8;
+      },
+      "backward got 8 tokens but the saved forward had 16");
+}
+
+// Inputs may share memory (they are only read): x passed as d_out too is accepted.
+TEST(Api, AcceptsInputsSharingMemory) {
+  const Shape shape = small_shape(1);
+  RankData data(shape, 16, 0, 3);
+  Workspace workspace(Group::create_cpu(1)[0], shape, Config{});
+  forward(workspace, data.forward_args(shape));
+  BackwardArgs args = data.backward_args(shape);
+  args.d_out.data = args.inputs.x.data;
+  backward(workspace, args);
+  for (uint16_t bits : data.d_x) ASSERT_NE(bits, kPoisonBf16);
 }
 
 TEST(Api, RejectsBadShapesWithTheFieldNamed) {
