@@ -45,7 +45,7 @@ void select_impl(const std::string& impl, Config& config);
 
 // ---- input rotation ------------------------------------------------------------------------------------
 
-inline constexpr int64_t kAssumedL2Bytes = int64_t{60} << 20;  // H200 (FACTS.md), when no GPU says
+inline constexpr int64_t kAssumedL2Bytes = int64_t{60} << 20;  // H200 (60 MB), when no GPU says
 inline constexpr int kMinInputSets = 3;                        // as the baseline's minimum
 inline constexpr int kMaxInputSets = 256;
 inline constexpr int64_t kMaxRotationBytes = int64_t{2} << 30;  // all sets of one rank together
