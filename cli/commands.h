@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/plan.h"
 #include "cli/run_setup.h"
 
 namespace pounce::cli {
@@ -40,5 +41,8 @@ struct BenchOptions {
 int bench_command(const BenchOptions& options, const std::string& command_line);
 // Records the measured records of a finished run's file (one fetched from a GPU machine) into `dir`.
 int record_command(const std::string& run_file, const std::string& dir);
+
+// `pounce plan`: the cost model, its validation and the internode simulation (cli/plan.h).
+int plan_command(const PlanCommandOptions& options);
 
 }  // namespace pounce::cli

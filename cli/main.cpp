@@ -1,5 +1,6 @@
 // The `pounce` command-line tool: run (one checked, timed MoE layer), bench (sweeps against the PyTorch
-// baseline), info (build, devices, backend choice). docs/design.md §5.
+// baseline), info (build, devices, backend choice), plan (the cost model; docs/internode.md). docs/design.md
+// §5.
 #include <CLI/CLI.hpp>
 
 #include <iostream>
@@ -167,6 +168,60 @@ int main(int argc, char** argv) {
   bench_app->add_option("--record-from", record_from,
                         "measure nothing: record the records of FILE (a finished run's) into bench/results/");
 
+  // ---- plan --------------------------------------------------------------------------------------------
+  PlanCommandOptions plan_options;
+  OptionalValue<int64_t> plan_hidden, plan_intermediate, plan_experts, plan_topk, plan_shared;
+  CLI::App* plan_app = app.add_subcommand(
+      "plan",
+      "Predict one layer's forward and backward time at an EP size, one node or several (cost model from the "
+      "measured rates; no GPU needed); --validate checks the model against bench/results");
+  plan_app->add_option("--preset", plan_options.preset, "a preset, or custom:H:I:E:k[:Is]")
+      ->capture_default_str();
+  add_optional(plan_app, plan_hidden, "--hidden", "H (overrides the preset's)");
+  add_optional(plan_app, plan_intermediate, "--intermediate", "I, routed expert intermediate size");
+  add_optional(plan_app, plan_experts, "--experts", "E, experts over the whole group");
+  add_optional(plan_app, plan_topk, "--topk", "k, experts per token");
+  add_optional(plan_app, plan_shared, "--shared-intermediate",
+               "Is, shared expert intermediate size (0 = none)");
+  plan_app->add_option("--tokens", plan_options.tokens, "tokens per rank")->capture_default_str();
+  plan_app->add_option("--ep", plan_options.ep, "expert-parallel ranks")->capture_default_str();
+  plan_app->add_option("--gpus-per-node", plan_options.gpus_per_node, "GPUs per node (the NVLink team)")
+      ->capture_default_str();
+  plan_app
+      ->add_option("--nvlink-gbps", plan_options.nvlink_gbps,
+                   "NVLink GB/s per GPU and direction (measured: 370)")
+      ->capture_default_str();
+  plan_app
+      ->add_option("--nic-gbps", plan_options.nic_gbps,
+                   "NIC GB/s per GPU and direction, line rate (400 Gb/s: 50)")
+      ->capture_default_str();
+  plan_app->add_option("--precision", plan_options.precision, "bf16 | fp8")->capture_default_str();
+  plan_app
+      ->add_option("--comm-sms", plan_options.comm_sms,
+                   "communication SMs of both passes (0 = the suggested count)")
+      ->capture_default_str();
+  plan_app
+      ->add_option("--combine-wire", plan_options.combine_wire,
+                   "per-node partial sums on the NIC: bf16 | fp32")
+      ->capture_default_str();
+  plan_app->add_flag("--no-sweep", plan_options.no_sweep, "skip the table over EP sizes 1-256");
+  plan_app->add_option("--json", plan_options.json,
+                       "write the plan and the sweep as JSON to FILE ('-' = stdout)");
+  plan_app->add_option("--chart", plan_options.chart, "chart the sweep into this PNG (needs matplotlib)");
+  plan_app->add_option("--plot-script", plan_options.plot_script, "the chart script")->capture_default_str();
+  plan_app->add_option("--python", plan_options.python, "Python that runs the chart script")
+      ->capture_default_str();
+  plan_app->add_option(
+      "--validate", plan_options.validate,
+      "a results folder (bench/results): the model against every record, as a Markdown table");
+  plan_app->add_option("--validate-out", plan_options.validate_out,
+                       "with --validate: also write the table to FILE");
+  plan_app->add_flag(
+      "--simulate", plan_options.simulate,
+      "also run the discrete-event simulation of the schedule on uniform routing (up to EP64)");
+  plan_app->add_option("--seed", plan_options.seed, "seed of the simulation's routing")
+      ->capture_default_str();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {
@@ -188,6 +243,14 @@ int main(int argc, char** argv) {
       return run_command(run);
     }
     if (*info_app) return info_command(info);
+    if (*plan_app) {
+      plan_options.hidden = plan_hidden.get();
+      plan_options.intermediate = plan_intermediate.get();
+      plan_options.experts = plan_experts.get();
+      plan_options.topk = plan_topk.get();
+      plan_options.shared_intermediate = plan_shared.get();
+      return plan_command(plan_options);
+    }
     std::string command_line;
     for (int i = 0; i < argc; ++i) command_line += (i ? " " : "") + std::string(argv[i]);
     if (!record_from.empty()) return record_command(record_from, "bench/results/");
