@@ -204,6 +204,10 @@ int main(int argc, char** argv) {
       ->add_option("--combine-wire", plan_options.combine_wire,
                    "per-node partial sums on the NIC: bf16 | fp32")
       ->capture_default_str();
+  plan_app
+      ->add_option("--node-limit", plan_options.node_limit,
+                   "nodes a token's experts may span (DeepSeek-V3: 4; 0 = no limit, uniform routing)")
+      ->capture_default_str();
   plan_app->add_flag("--no-sweep", plan_options.no_sweep, "skip the table over EP sizes 1-256");
   plan_app->add_option("--json", plan_options.json,
                        "write the plan and the sweep as JSON to FILE ('-' = stdout)");

@@ -1,15 +1,13 @@
+// The cost model of cli/plan.h: traffic, the fused and staged passes, the comm-SM suggestion, the sweep, and
+// the simulation's configuration from the same costs. Validation against records: cli/plan_validation.cpp.
 #include "cli/plan.h"
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
-#include <fstream>
-#include <map>
 #include <random>
 
 #include "pounce/error.h"
 #include "cli/bench.h"
-#include "cli/report.h"
 
 namespace pounce::cli {
 namespace {
@@ -71,6 +69,11 @@ Dims dims_of(const PlanProblem& p) {
   d.weight_bytes = d.fp8 ? 1.0 + 4.0 / (128.0 * 128.0) : 2.0;
   d.act_bytes = d.fp8 ? 1.0 + 4.0 / 128.0 : 2.0;
   return d;
+}
+
+// The nodes a token's experts may span: the node limit, or every node.
+int64_t limited_nodes(const PlanProblem& p) {
+  return p.node_limit > 0 ? std::min<int64_t>(p.node_limit, p.num_nodes()) : p.num_nodes();
 }
 
 bool push_combine(const Dims& d) {
@@ -178,6 +181,10 @@ void validate(const PlanProblem& p) {
   POUNCE_CHECK(p.nvlink_gbps > 0, "--nvlink-gbps = ", p.nvlink_gbps, " must be positive");
   POUNCE_CHECK(p.num_nodes() == 1 || p.nic_gbps > 0, "--nic-gbps = ", p.nic_gbps,
                " must be positive when the group spans nodes");
+  POUNCE_CHECK(p.node_limit >= 0, "--node-limit = ", p.node_limit, " must be >= 0 (0: no limit)");
+  POUNCE_CHECK(s.num_topk <= limited_nodes(p) * (s.num_experts / p.num_nodes()),
+               "--node-limit = ", p.node_limit, " leaves ",
+               limited_nodes(p) * (s.num_experts / p.num_nodes()), " experts for top-", s.num_topk);
   POUNCE_CHECK(p.combine_partial_bytes == 2 || p.combine_partial_bytes == 4,
                "the combine's partial sums travel as bf16 (2 bytes) or fp32 (4), not ",
                p.combine_partial_bytes);
@@ -225,7 +232,12 @@ PlanTraffic plan_traffic(const PlanProblem& problem) {
   const double pairs = static_cast<double>(d.T) * d.k;  // received per rank = sent per rank, balanced
   t.nvlink_pairs = pairs * (d.G - 1) / d.G;
   t.local_pairs = pairs - t.nvlink_pairs;
-  t.nic_tokens = d.N > 1 ? d.T * (d.N - 1) * hit_probability(d.E, d.E / d.N, d.k) : 0.0;
+  // A remote node is among the token's M chosen nodes with probability M / N, and then named by at least one
+  // of its k experts drawn from the M nodes' experts (M = N: uniform routing).
+  const int64_t M = limited_nodes(problem);
+  t.nic_tokens = d.N > 1 ? d.T * (d.N - 1) * (static_cast<double>(M) / d.N) *
+                               hit_probability(M * (d.E / d.N), d.E / d.N, d.k)
+                         : 0.0;
   t.nic_pairs_without_dedup = pairs * (d.R - d.G) / d.R;
   t.pairs_per_remote_token = t.nic_tokens > 0 ? t.nic_pairs_without_dedup / t.nic_tokens : 0.0;
   t.x_row_bytes = d.H * d.act_bytes;
@@ -637,6 +649,7 @@ json to_json(const LayerPlan& plan) {
           {"nvlink_gbps", p.nvlink_gbps},
           {"nic_gbps", p.nic_gbps},
           {"combine_partial_bytes", p.combine_partial_bytes},
+          {"node_limit", p.node_limit},
           {"traffic",
            {{"rows_per_expert", t.rows_per_expert},
             {"padded_rows_per_expert", t.padded_rows_per_expert},
@@ -652,183 +665,6 @@ json to_json(const LayerPlan& plan) {
           {"suggested_backward_comm_sms", plan.suggested_backward_comm_sms},
           {"forward_suggested", to_json(plan.forward_suggested)},
           {"backward_suggested", to_json(plan.backward_suggested)}};
-}
-
-// ---- validation --------------------------------------------------------------------------------------
-
-namespace {
-
-struct ImplPaths {
-  PlanPath forward, backward;
-};
-bool impl_paths(const std::string& impl, ImplPaths* paths) {
-  if (impl == "fused")
-    *paths = {PlanPath::kFused, PlanPath::kAuto};
-  else if (impl == "fused-all")
-    *paths = {PlanPath::kFused, PlanPath::kFused};
-  else if (impl == "fused-staged")
-    *paths = {PlanPath::kFused, PlanPath::kStaged};
-  else if (impl == "staged")
-    *paths = {PlanPath::kStaged, PlanPath::kStaged};
-  else
-    return false;
-  return true;
-}
-
-template <typename T>
-T field_or(const json& record, const char* key, T fallback) {
-  const auto it = record.find(key);
-  return it != record.end() && it->is_number() ? it->get<T>() : fallback;
-}
-
-}  // namespace
-
-std::vector<ValidationRow> validate_records(const json& records) {
-  POUNCE_CHECK(records.is_array(), "a results file must hold a JSON list of records");
-  std::vector<ValidationRow> rows;
-  for (const json& record : records) {
-    ValidationRow row;
-    row.impl = record.value("impl", "");
-    row.pass = record.value("pass", "");
-    row.preset = record.value("preset", "");
-    row.precision = record.value("precision", "bf16");
-    row.ranks = field_or<int64_t>(record, "ranks", 0);
-    row.tokens_per_rank = field_or<int64_t>(record, "tokens_per_rank", 0);
-    const auto ms = record.find("median_ms");
-    const bool measured = ms != record.end() && ms->is_number();
-    row.measured_ms = measured ? ms->get<double>() : 0.0;
-    ImplPaths paths{};
-    if (!measured) {
-      row.reason = "not measured";
-    } else if (row.impl == "baseline") {
-      row.reason = "the PyTorch baseline: not Pounce's kernels";
-    } else if (!impl_paths(row.impl, &paths)) {
-      row.reason = "unknown impl";
-    } else if (row.pass != "forward" && row.pass != "backward" && row.pass != "forward_backward") {
-      row.reason = "unknown pass";
-    } else {
-      try {
-        Preset preset = bench_preset(row.preset);
-        PlanProblem problem;
-        problem.shape = preset.shape;
-        problem.shape.hidden = field_or<int64_t>(record, "hidden", preset.shape.hidden);
-        problem.shape.intermediate = field_or<int64_t>(record, "intermediate", preset.shape.intermediate);
-        problem.shape.num_experts = field_or<int64_t>(record, "experts", preset.shape.num_experts);
-        problem.shape.num_topk = field_or<int64_t>(record, "topk", preset.shape.num_topk);
-        problem.shape.shared_intermediate =
-            field_or<int64_t>(record, "shared_intermediate", preset.shape.shared_intermediate);
-        problem.shape.max_tokens = row.tokens_per_rank;
-        problem.shape.num_ranks = row.ranks;
-        problem.activation = preset.activation;
-        problem.precision = row.precision == "fp8" ? Precision::kFP8 : Precision::kBF16;
-        problem.gpus_per_node = static_cast<int>(std::max<int64_t>(1, row.ranks));  // measured on one node
-        const PassPrediction f = predict_forward(problem, 0, paths.forward);
-        const PassPrediction b = predict_backward(problem, 0, paths.backward);
-        row.predicted_ms = row.pass == "forward" ? f.ms : row.pass == "backward" ? b.ms : f.ms + b.ms;
-        row.binding = row.pass == "backward" ? to_string(b.binding) : to_string(f.binding);
-        if (row.pass == "forward_backward") row.binding += std::string(" / ") + to_string(b.binding);
-        row.error = (row.predicted_ms - row.measured_ms) / row.measured_ms;
-        row.modelled = true;
-      } catch (const Error& error) {
-        row.reason = error.what();
-      }
-    }
-    rows.push_back(row);
-  }
-  return rows;
-}
-
-std::vector<ValidationRow> validate_results_dir(const std::string& dir) {
-  namespace fs = std::filesystem;
-  POUNCE_CHECK(fs::is_directory(dir), "--validate ", dir, " is not a folder (try bench/results)");
-  std::vector<fs::path> files;
-  for (const auto& entry : fs::directory_iterator(dir))
-    if (entry.is_regular_file() && entry.path().extension() == ".json") files.push_back(entry.path());
-  std::sort(files.begin(), files.end());
-  POUNCE_CHECK(!files.empty(), "--validate ", dir, " holds no *.json results files");
-  std::vector<ValidationRow> rows;
-  for (const fs::path& file : files) {
-    std::ifstream in(file);
-    json records;
-    try {
-      records = json::parse(in);
-    } catch (const json::exception& error) {
-      detail::fail(file.string(), " is not JSON: ", error.what());
-    }
-    const std::vector<ValidationRow> part = validate_records(records);
-    rows.insert(rows.end(), part.begin(), part.end());
-  }
-  return rows;
-}
-
-std::vector<ValidationGroup> summarize(const std::vector<ValidationRow>& rows) {
-  std::map<std::pair<std::string, std::string>, ValidationGroup> groups;
-  ValidationGroup all{"all", "all"};
-  const auto add = [](ValidationGroup& g, double e) {
-    g.count += 1;
-    g.mean_error += e;
-    g.mean_abs_error += std::abs(e);
-    g.max_abs_error = std::max(g.max_abs_error, std::abs(e));
-  };
-  for (const ValidationRow& row : rows) {
-    if (!row.modelled) continue;
-    ValidationGroup& g = groups[{row.preset, row.pass}];
-    g.preset = row.preset;
-    g.pass = row.pass;
-    add(g, row.error);
-    add(all, row.error);
-  }
-  std::vector<ValidationGroup> out;
-  for (auto& [key, g] : groups) out.push_back(g);
-  out.push_back(all);
-  for (ValidationGroup& g : out) {
-    if (g.count == 0) continue;
-    g.mean_error /= g.count;
-    g.mean_abs_error /= g.count;
-  }
-  return out;
-}
-
-std::string validation_markdown(const std::vector<ValidationRow>& rows, const std::string& command) {
-  std::string out = "<!-- Written by `" + command + "`; do not edit by hand. -->\n";
-  out += "# The plan's cost model against the measured records\n\n";
-  out +=
-      "Every record of bench/results/, predicted by `pounce plan`'s model (cli/plan.h) with the paths its "
-      "impl\n";
-  out +=
-      "runs and the comm SMs the kernels' heuristics chose; error = (predicted - measured) / measured. The\n";
-  out +=
-      "model's constants are in-kernel and microbenchmark measurements (docs/experiments/, FACTS.md), not "
-      "fitted\n";
-  out += "to these records; docs/internode.md §8 says where and why it is off.\n\n";
-  out += "| impl | pass | preset | EP | tokens | measured ms | predicted ms | error | binding |\n";
-  out += "|---|---|---|---|---|---|---|---|---|\n";
-  int skipped = 0;
-  std::map<std::string, int> reasons;
-  for (const ValidationRow& r : rows) {
-    if (!r.modelled) {
-      ++skipped;
-      ++reasons[r.reason];
-      continue;
-    }
-    out += format("| %s | %s | %s | %lld | %lld | %.3f | %.3f | %+.1f %% | %s |\n", r.impl.c_str(),
-                  r.pass.c_str(), r.preset.c_str(), static_cast<long long>(r.ranks),
-                  static_cast<long long>(r.tokens_per_rank), r.measured_ms, r.predicted_ms, 100 * r.error,
-                  r.binding.c_str());
-  }
-  out += "\n## Error per preset and pass\n\n";
-  out +=
-      "| preset | pass | records | mean error | mean abs error | max abs error "
-      "|\n|---|---|---|---|---|---|\n";
-  for (const ValidationGroup& g : summarize(rows)) {
-    out += format("| %s | %s | %d | %+.1f %% | %.1f %% | %.1f %% |\n", g.preset.c_str(), g.pass.c_str(),
-                  g.count, 100 * g.mean_error, 100 * g.mean_abs_error, 100 * g.max_abs_error);
-  }
-  out += format("\n%d records not modelled:", skipped);
-  for (const auto& [reason, count] : reasons) out += format(" %d %s;", count, reason.c_str());
-  if (!reasons.empty()) out.back() = '.';
-  out += "\n";
-  return out;
 }
 
 // ---- the simulation with the model's costs ------------------------------------------------------------
@@ -920,21 +756,35 @@ reference::SimConfig sim_config(const PlanProblem& problem, bool backward, int c
   return s;
 }
 
-std::vector<reference::RankInputs> uniform_routing(const Shape& shape, uint64_t seed) {
+std::vector<reference::RankInputs> plan_routing(const PlanProblem& problem, uint64_t seed) {
+  validate(problem);
+  const Shape& shape = problem.shape;
+  const int64_t k = shape.num_topk, E = shape.num_experts, N = problem.num_nodes(),
+                M = limited_nodes(problem);
+  const int64_t per_node = E / N;
   std::vector<reference::RankInputs> ranks(shape.num_ranks);
-  const int64_t k = shape.num_topk, E = shape.num_experts;
   for (int64_t r = 0; r < shape.num_ranks; ++r) {
     std::mt19937_64 rng(seed * 1000003u + static_cast<uint64_t>(r));
-    std::uniform_int_distribution<int32_t> expert(0, static_cast<int32_t>(E - 1));
     reference::RankInputs& in = ranks[r];
     in.num_tokens = shape.max_tokens;
     in.topk_idx.resize(shape.max_tokens * k);
+    std::vector<int64_t> nodes(M);
     for (int64_t t = 0; t < shape.max_tokens; ++t) {
+      // M distinct nodes (all of them without a limit), then k distinct experts among their experts.
+      for (int64_t i = 0; i < M; ++i) {
+        int64_t node;
+        do node = std::uniform_int_distribution<int64_t>(0, N - 1)(rng);
+        while (M < N && std::find(nodes.begin(), nodes.begin() + i, node) != nodes.begin() + i);
+        nodes[i] = M < N ? node : i;
+      }
+      std::uniform_int_distribution<int64_t> pick(0, M * per_node - 1);
       int32_t* slots = &in.topk_idx[t * k];
       for (int64_t j = 0; j < k; ++j) {
         int32_t e;
-        do e = expert(rng);
-        while (std::find(slots, slots + j, e) != slots + j);
+        do {
+          const int64_t index = pick(rng);
+          e = static_cast<int32_t>(nodes[index / per_node] * per_node + index % per_node);
+        } while (std::find(slots, slots + j, e) != slots + j);
         slots[j] = e;
       }
     }
@@ -962,6 +812,7 @@ PlanProblem plan_problem(const PlanCommandOptions& o) {
   POUNCE_CHECK(o.combine_wire == "bf16" || o.combine_wire == "fp32", "--combine-wire ", o.combine_wire,
                " is unknown; choose bf16 or fp32");
   p.combine_partial_bytes = o.combine_wire == "fp32" ? 4 : 2;
+  p.node_limit = o.node_limit;
   p.gpus_per_node = o.gpus_per_node;
   p.nvlink_gbps = o.nvlink_gbps;
   p.nic_gbps = o.nic_gbps;

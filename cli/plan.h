@@ -95,6 +95,9 @@ struct PlanProblem {
   PlanPath forward_path = PlanPath::kFused;
   PlanPath backward_path = PlanPath::kAuto;
   int combine_partial_bytes = 2;  // per element of a per-node partial sum over the NIC: 2 (bf16) or 4 (fp32)
+  // Node-limited routing (DeepSeek-V3: each token's experts on at most 4 nodes): a token picks this many
+  // nodes uniformly, then its k experts uniformly among theirs; 0: no limit (uniform over every expert).
+  int node_limit = 0;
 
   int num_nodes() const;  // ceil(R / gpus_per_node)
   int node_size() const;  // GPUs of one node in the group: min(R, gpus_per_node)
@@ -208,9 +211,10 @@ reference::Problem sim_problem(const PlanProblem& problem);
 // heuristic): the model's tile costs (waits included), rates, row sizes, prologue and epilogue, so that the
 // simulated time tests the model's overlap formula on real routing rather than its constants.
 reference::SimConfig sim_config(const PlanProblem& problem, bool backward, int comm_sms);
-// Every rank's routing as the benchmarks draw it (k distinct experts per token, uniform over E), seeded per
-// rank; only num_tokens and topk_idx are filled.
-std::vector<reference::RankInputs> uniform_routing(const Shape& shape, uint64_t seed);
+// Every rank's routing as the model assumes it, seeded per rank: k distinct experts per token uniform over E
+// (as the benchmarks draw it), or with a node limit among that many uniformly chosen nodes. Only num_tokens
+// and topk_idx are filled.
+std::vector<reference::RankInputs> plan_routing(const PlanProblem& problem, uint64_t seed);
 
 // ---- the command -------------------------------------------------------------------------------------
 
@@ -225,6 +229,7 @@ struct PlanCommandOptions {
   std::string precision = "bf16";     // bf16 | fp8
   int comm_sms = 0;                   // 0: the suggested count
   std::string combine_wire = "bf16";  // per-node partial sums on the NIC: bf16 | fp32
+  int node_limit = 0;                 // nodes per token (0: no limit)
   bool no_sweep = false;
   std::string json;   // "" none, "-" stdout
   std::string chart;  // PNG path: runs plot_script on the sweep's JSON

@@ -169,6 +169,7 @@ struct ModelCase {
   int64_t tokens;
   double nic_gbps = cli::kNicGbps;
   Precision precision = Precision::kBF16;
+  int node_limit = 0;
 };
 
 cli::PlanProblem plan_of(const ModelCase& c) {
@@ -181,6 +182,7 @@ cli::PlanProblem plan_of(const ModelCase& c) {
   p.gpus_per_node = c.gpus_per_node;
   p.nic_gbps = c.nic_gbps;
   p.precision = c.precision;
+  p.node_limit = c.node_limit;
   return p;
 }
 
@@ -199,7 +201,7 @@ TEST(InternodeSim, ModelOverlapHolds) {
   };
   for (const ModelCase& c : cases) {
     const cli::PlanProblem problem = plan_of(c);
-    const std::vector<RankInputs> routing = cli::uniform_routing(problem.shape, 2026);
+    const std::vector<RankInputs> routing = cli::plan_routing(problem, 2026);
     for (bool backward : {false, true}) {
       const int comm_sms = cli::suggest_comm_sms(problem, backward);
       const cli::PassPrediction model = backward
@@ -227,7 +229,7 @@ TEST(InternodeSim, PutsInNeedOrderHideTheNic) {
   // The relay's node consumes rows in schedule order; tokens put in token order arrive uniformly late for
   // every expert, so the first minibatches wait on the whole stream (docs/internode.md §3).
   const cli::PlanProblem problem = plan_of({"deepseek-v3", 16, 8, 1024});
-  const std::vector<RankInputs> routing = cli::uniform_routing(problem.shape, 5);
+  const std::vector<RankInputs> routing = cli::plan_routing(problem, 5);
   SimConfig config = cli::sim_config(problem, false, 6);
   const SimResult need = simulate_pass(cli::sim_problem(problem), routing, config);
   config.puts_in_token_order = true;

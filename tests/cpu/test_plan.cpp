@@ -87,7 +87,7 @@ TEST(Plan, TrafficAcrossNodesDedupsPerNode) {
 
   // The expectation against the routing itself: distinct (token, other node) pairs of uniform routing.
   const PlanProblem q = preset_problem("deepseek-v3", 32, 8, 512);
-  const std::vector<reference::RankInputs> routing = uniform_routing(q.shape, 9);
+  const std::vector<reference::RankInputs> routing = plan_routing(q, 9);
   int64_t puts = 0;
   for (int64_t s = 0; s < 32; ++s) {
     for (int64_t t = 0; t < 512; ++t) {
@@ -97,6 +97,35 @@ TEST(Plan, TrafficAcrossNodesDedupsPerNode) {
     }
   }
   EXPECT_NEAR(puts / 32.0 / plan_traffic(q).nic_tokens, 1.0, 0.02);
+}
+
+TEST(Plan, NodeLimitBoundsTheNic) {
+  // DeepSeek-V3's node-limited routing: a token's 8 experts on at most 4 of the 8 nodes of EP64.
+  PlanProblem p = preset_problem("deepseek-v3", 64, 8, 256);
+  const double unlimited = plan_traffic(p).nic_tokens;
+  p.node_limit = 4;
+  const PlanTraffic t = plan_traffic(p);
+  EXPECT_LT(t.nic_tokens, unlimited);
+  EXPECT_LE(t.nic_tokens, 256 * 4.0);
+  const std::vector<reference::RankInputs> routing = plan_routing(p, 4);
+  int64_t puts = 0;
+  for (int64_t s = 0; s < 64; ++s) {
+    for (int64_t tok = 0; tok < 256; ++tok) {
+      std::set<int64_t> nodes, experts;
+      for (int64_t j = 0; j < 8; ++j) {
+        const int32_t e = routing[s].topk_idx[tok * 8 + j];
+        nodes.insert(e / 4 / 8);
+        experts.insert(e);
+      }
+      ASSERT_LE(nodes.size(), 4u);
+      ASSERT_EQ(experts.size(), 8u);
+      puts += static_cast<int64_t>(nodes.size()) - (nodes.count(s / 8) ? 1 : 0);
+    }
+  }
+  EXPECT_NEAR(puts / 64.0 / t.nic_tokens, 1.0, 0.02);
+  p.node_limit = 1;
+  EXPECT_NO_THROW(plan_traffic(p)) << "k = 8 fits one node's 32 experts";
+  EXPECT_DOUBLE_EQ(plan_traffic(p).nic_tokens, 256 * 7 / 8.0) << "the one node is another w.p. 7/8";
 }
 
 TEST(Plan, HeuristicCommSmsAreTheKernels) {
