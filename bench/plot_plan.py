@@ -64,9 +64,9 @@ def main(argv=None):
         left.plot(eps, ms, color="0.6", linewidth=1)
         left.scatter(eps, ms, marker=marker, s=60, zorder=3,
                      c=[RESOURCE_COLORS.get(s[key]["binding"], "black") for s in sweep])
-        for ep, s in zip(eps, sweep):
+        for ep, s in zip(eps, sweep):  # forward's labels above its points, backward's below
             left.annotate(f"{s[key]['tflops']:.0f}", (ep, s[key]["ms"]), textcoords="offset points",
-                          xytext=(0, 7), ha="center", fontsize=7)
+                          xytext=(0, 7 if pass_name == "forward" else -13), ha="center", fontsize=7)
     left.set_xscale("log", base=2)
     left.set_xticks(eps, [str(e) for e in eps])
     left.set_xlabel("EP size (GPUs)")

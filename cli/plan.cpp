@@ -772,10 +772,14 @@ std::vector<reference::RankInputs> plan_routing(const PlanProblem& problem, uint
     for (int64_t t = 0; t < shape.max_tokens; ++t) {
       // M distinct nodes (all of them without a limit), then k distinct experts among their experts.
       for (int64_t i = 0; i < M; ++i) {
+        if (M == N) {
+          nodes[i] = i;
+          continue;
+        }
         int64_t node;
         do node = std::uniform_int_distribution<int64_t>(0, N - 1)(rng);
-        while (M < N && std::find(nodes.begin(), nodes.begin() + i, node) != nodes.begin() + i);
-        nodes[i] = M < N ? node : i;
+        while (std::find(nodes.begin(), nodes.begin() + i, node) != nodes.begin() + i);
+        nodes[i] = node;
       }
       std::uniform_int_distribution<int64_t> pick(0, M * per_node - 1);
       int32_t* slots = &in.topk_idx[t * k];

@@ -19,12 +19,17 @@ namespace {
 constexpr double kNever = std::numeric_limits<double>::infinity();
 constexpr size_t kMaxErrors = 10;
 
-// Busy spans of one resource: start -> end, disjoint, merged where they touch.
+// Busy spans of one resource: start -> end, disjoint, merged where they touch. Spans are only ever added,
+// so a gap too short for a duration stays too short: each duration remembers the range [lo, hi) it is known
+// not to fit in, and later searches from inside that range start at its end (else a nearly full link's many
+// small gaps make every search walk them all).
 class Calendar {
  public:
   // The earliest t >= ready with [t, t + duration) free.
-  double earliest(double ready, double duration) const {
-    double t = ready;
+  double earliest(double ready, double duration) {
+    NoFit& known = no_fit_[duration];
+    const bool inside = known.lo <= ready && ready < known.hi;
+    double t = inside ? known.hi : ready;
     auto it = busy_.upper_bound(t);
     if (it != busy_.begin()) {
       auto prev = std::prev(it);
@@ -34,7 +39,23 @@ class Calendar {
       t = std::max(t, it->second);
       ++it;
     }
+    // No fit starts in [ready, t): extend the known range where it meets, else keep the newer one.
+    if (inside) {
+      known.hi = t;
+    } else if (ready < known.lo && t >= known.lo) {
+      known.lo = ready;
+      known.hi = std::max(known.hi, t);
+    } else {
+      known.lo = ready;
+      known.hi = t;
+    }
     return t;
+  }
+  // Takes [t, t + duration), a span earliest() returned: nothing of that duration fits there any more.
+  void take(double t, double duration) {
+    insert(t, t + duration);
+    NoFit& known = no_fit_[duration];
+    if (known.lo <= t && t <= known.hi) known.hi = std::max(known.hi, t + duration);
   }
   void insert(double start, double end) {
     if (end <= start) return;
@@ -55,12 +76,16 @@ class Calendar {
   }
   double reserve(double ready, double duration) {
     const double t = earliest(ready, duration);
-    insert(t, t + duration);
+    take(t, duration);
     return t;
   }
 
  private:
+  struct NoFit {
+    double lo = 0, hi = 0;
+  };
   std::map<double, double> busy_;
+  std::map<double, NoFit> no_fit_;  // per duration
 };
 
 // A span free on both calendars (a NIC put: the sender's out and the receiver's in).
@@ -70,8 +95,8 @@ double reserve_both(Calendar& a, Calendar& b, double ready, double duration) {
     const double ta = a.earliest(t, duration);
     const double tb = b.earliest(ta, duration);
     if (tb == ta) {
-      a.insert(ta, ta + duration);
-      b.insert(ta, ta + duration);
+      a.take(ta, duration);
+      b.take(ta, duration);
       return ta;
     }
     t = tb;
