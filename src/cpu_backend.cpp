@@ -3,7 +3,8 @@
 //
 //   "arguments": each rank posts its record (call, workspace, fields, tokens, validation error) and its
 //                inputs converted for the reference; every rank checks the R records the same way, so all
-//                throw the same error, or all go on
+//                throw the same error, or all go on (a rank whose own checks failed posts its error and
+//                throws at once; its peers throw that error when they arrive)
 //   "results":   rank 0 evaluates the group with reference::forward/backward and posts each rank's part
 //                (or the failure); each rank takes its own and writes its outputs
 //
@@ -11,7 +12,7 @@
 // from two threads, a peer that stopped) is an error on every rank, never a read of the wrong arguments.
 #include "src/cpu_backend.h"
 
-#include <cstring>
+#include <algorithm>
 #include <utility>
 
 #include "pounce/error.h"
@@ -31,7 +32,8 @@ std::vector<double> to_double(const TensorView& view) {
 std::vector<int32_t> to_int32(const TensorView& view) {
   std::vector<int32_t> out(view.numel());
   if (view.dtype == DType::kInt32) {
-    std::memcpy(out.data(), view.data, out.size() * sizeof(int32_t));
+    const int32_t* values = view.as<int32_t>();  // null for T = 0, which memcpy may not take
+    std::copy(values, values + out.size(), out.begin());
   } else {
     const int64_t* values = view.as<int64_t>();
     for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<int32_t>(values[i]);
@@ -94,6 +96,11 @@ uint64_t exchange_arguments(WorkspaceState& state, CpuPost post, std::vector<ref
   CpuGroup& group = group_of(state);
   const int rank = state.group.rank();
   const std::string what = std::string(to_string(post.record.call)) + ": arguments";
+  if (!post.record.error.empty()) {  // this rank's call failed on its own: tell the peers, fail at once
+    const std::string error = post.record.error;
+    group.exchange.leave(rank, "arguments", what, state.environment.peer_timeout, std::move(post));
+    throw Error(error);
+  }
   std::vector<CpuRecord> records;
   const uint64_t round = group.exchange.exchange(rank, "arguments", what, state.environment.peer_timeout,
                                                  std::move(post), [&](std::vector<CpuPost>& posts) {
@@ -155,7 +162,7 @@ void add_inputs(const WorkspaceState& state, const ForwardArgs& args, const Tens
 }
 
 std::string describe_workspace(uint64_t id) {
-  return id == 0 ? "none" : "the workspace of group step " + std::to_string(id);
+  return id == 0 ? "none" : "the workspace created at group step " + std::to_string(id);
 }
 
 }  // namespace

@@ -20,7 +20,8 @@ constexpr std::chrono::milliseconds kLongestWait = std::chrono::hours(24 * 365 *
 
 }  // namespace
 
-HostRounds::HostRounds(int num_ranks) : num_ranks_(num_ranks), arrived_(num_ranks, false) {}
+HostRounds::HostRounds(int num_ranks)
+    : num_ranks_(num_ranks), arrived_(num_ranks, false), left_(num_ranks, false) {}
 
 void HostRounds::break_and_fail(const std::string& reason) {
   broken_ = reason;
@@ -28,12 +29,18 @@ void HostRounds::break_and_fail(const std::string& reason) {
   throw Error(reason);
 }
 
-bool HostRounds::arrive(int rank, const char* phase, const std::string& what) {
+bool HostRounds::arrive(std::unique_lock<std::mutex>& lock, int rank, const char* phase,
+                        const std::string& what, std::chrono::milliseconds timeout, bool leaving) {
   POUNCE_CHECK(broken_.empty(), "rank ", rank, " cannot start '", what, "': this group is unusable since ",
                broken_, " (create a new group and its workspaces)");
   if (rank < 0 || rank >= num_ranks_)
     break_and_fail("rank " + std::to_string(rank) + " arrived at '" + what + "' but the group has ranks 0.." +
                    std::to_string(num_ranks_ - 1));
+  if (arrived_[rank] && left_[rank]) {
+    wait(lock, open_round(), rank, what, timeout);  // the rank's previous call must first meet its peers
+    POUNCE_CHECK(broken_.empty(), "rank ", rank, " cannot start '", what, "': this group is unusable since ",
+                 broken_, " (create a new group and its workspaces)");
+  }
   if (arrived_[rank])
     break_and_fail("rank " + std::to_string(rank) + " arrived twice at '" + what +
                    "': one rank is driven from two threads; call each rank from its own thread only");
@@ -43,6 +50,8 @@ bool HostRounds::arrive(int rank, const char* phase, const std::string& what) {
                    "': the group's threads are out of step (a rank driven from two threads?)");
   if (num_arrived_ == 0) phase_ = phase;
   arrived_[rank] = true;
+  left_[rank] = leaving;
+  num_left_ += leaving;
   return ++num_arrived_ == num_ranks_;
 }
 
@@ -56,9 +65,11 @@ void HostRounds::check_previous_taken(int rank, const std::string& what) {
 void HostRounds::complete() {
   ++completed_;
   std::fill(arrived_.begin(), arrived_.end(), false);
+  std::fill(left_.begin(), left_.end(), false);
+  takers_left_ = num_ranks_ - num_left_;
   num_arrived_ = 0;
+  num_left_ = 0;
   phase_.clear();
-  takers_left_ = num_ranks_;
   changed.notify_all();
 }
 

@@ -107,8 +107,8 @@ void check_no_aliasing(const NamedViews& inputs, const NamedViews& outputs) {
   for (size_t o = 0; o < outputs.size(); ++o) {
     const auto& [name, output] = outputs[o];
     for (const auto& [input_name, input] : inputs)
-      POUNCE_CHECK(!overlaps(*output, *input), "argument '", name, "' overlaps argument '", input_name,
-                   "', an input of the call; pass an output buffer that shares no memory with the inputs");
+      POUNCE_CHECK(!overlaps(*output, *input), "argument '", name, "' overlaps an input, argument '",
+                   input_name, "'; pass an output buffer that shares no memory with the inputs");
     for (size_t other = 0; other < o; ++other)
       POUNCE_CHECK(!overlaps(*output, *outputs[other].second), "arguments '", outputs[other].first, "' and '",
                    name, "' overlap; both are written, so give each output its own buffer");

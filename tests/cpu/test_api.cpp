@@ -149,15 +149,15 @@ TEST(Api, RejectsAliasedOutput) {
 
 TEST(Api, RejectsOutputOverlappingRoutedWeights) {
   expect_rejected([](ForwardArgs& args) { args.out.data = args.routed.down.data; },
-                  "'out' overlaps argument 'routed.down'");
+                  "'out' overlaps an input, argument 'routed.down'");
 }
 TEST(Api, RejectsOutputOverlappingSharedWeights) {
   expect_rejected([](ForwardArgs& args) { args.out.data = static_cast<uint16_t*>(args.shared.up.data) + 64; },
-                  "'out' overlaps argument 'shared.up'");
+                  "'out' overlaps an input, argument 'shared.up'");
 }
 TEST(Api, RejectsOutputOverlappingTopkWeights) {
   expect_rejected([](ForwardArgs& args) { args.out.data = args.topk_weights.data; },
-                  "'out' overlaps argument 'topk_weights'");
+                  "'out' overlaps an input, argument 'topk_weights'");
 }
 TEST(Api, RejectsHostTensorWithAnotherDeviceIndex) {
   expect_rejected([](ForwardArgs& args) { args.topk_weights.device_id = 1; },
@@ -218,11 +218,11 @@ TEST(Api, RejectsWeightGradientOverlappingItsWeight) {
         args.d_routed.down.data = args.inputs.routed.down.data;
         args.d_routed.down.dtype = DType::kBF16;
       },
-      "'d_routed.down' overlaps argument 'routed.down'");
+      "'d_routed.down' overlaps an input, argument 'routed.down'");
 }
 TEST(Api, RejectsInputGradientOverlappingOutputGradient) {
   expect_backward_rejected([](BackwardArgs& args) { args.d_x.data = args.d_out.data; },
-                           "'d_x' overlaps argument 'd_out'");
+                           "'d_x' overlaps an input, argument 'd_out'");
 }
 TEST(Api, RejectsGradientOnAnotherDeviceIndex) {
   expect_backward_rejected([](BackwardArgs& args) { args.d_routed.up.device_id = 2; },
