@@ -4,7 +4,7 @@
 //
 // The model, per rank and pass, with balanced (uniform top-k) routing as the benchmarks draw it:
 //
-//   time = prologue + fill + max(tensor, NVLink, comm SMs, NIC, HBM) + drain + epilogue
+//   time = prologue + max(fill + tensor, NVLink + tail, comm SMs + tail, NIC + tail, HBM) + drain + epilogue
 //
 //   tensor     sum over the pass's GEMM tiles of (K blocks x clocks per K block / clock + the tile's fixed
 //              cost), spread over the compute SMs, over (1 - the share of time tiles wait for a task); the
@@ -14,13 +14,16 @@
 //   NIC        bytes crossing this GPU's NIC per direction / (line rate x efficiency); hierarchical
 //              dispatch sends a token at most once per node (docs/internode.md §3)
 //   HBM        weights and routed activations read and written / HBM bandwidth
-//   prologue   staging, the schedule, the first barrier; fill: the first rows' arrival where no shared
-//              expert covers it; drain: the last rows' return and the combine barrier; epilogue: the
-//              weighted sum (or d_x sum), its own memory-bound kernel
+//   fill       the first minibatch's rows, less what the shared expert's tiles cover; tail: the last
+//              minibatch's tiles, which follow its rows when a transfer is the longest path
+//   prologue   staging, the schedule, the first barrier; drain: the last rows' return and the combine
+//              barrier; epilogue: the weighted sum (or d_x sum), its own memory-bound kernel
 //
-// Backward overlaps its transfers with its data-gradient tiles only: the weight-gradient tiles come last in
-// the task list (docs/design.md "Fused backward"), so they add to max(...). Every rate is a named constant
-// below with the measurement it comes from; the few that no machine here could measure say "assumed".
+// Backward: the rows in must arrive before its data-gradient tiles end, the weight-gradient tiles follow
+// them in the task list (docs/design.md "Fused backward") while the rows out may still leave, so the pass is
+// max(max(fill + data tiles, inward transfers + tail) + weight-gradient tiles, each link's whole traffic).
+// Every rate is a named constant below with the measurement it comes from; the few that no machine here
+// could measure say "assumed".
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -139,7 +142,7 @@ struct PassPrediction {
   // overlapped terms, ms
   double tensor_ms = 0, nvlink_ms = 0, comm_sm_ms = 0, nic_ms = 0, hbm_ms = 0;
   double weight_grad_ms = 0;  // backward: the weight-gradient tiles after the overlapped body (in tensor_ms)
-  // exposed terms, ms
+  // the tiles' wait for the first rows, and the exposed terms, ms
   double prologue_ms = 0, fill_ms = 0, drain_ms = 0, epilogue_ms = 0;
   // bytes per rank and direction
   double nvlink_bytes = 0, nic_bytes = 0, hbm_bytes = 0;

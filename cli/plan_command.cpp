@@ -28,7 +28,7 @@ std::string comm_sms_text(const PassPrediction& chosen, int heuristic) {
 }
 
 void print_pass(std::ostream& out, const char* name, const PassPrediction& p, int heuristic) {
-  const double exposed = p.prologue_ms + p.fill_ms + p.drain_ms + p.epilogue_ms;
+  const double exposed = p.prologue_ms + p.drain_ms + p.epilogue_ms;
   out << format("%-9s %8.3f %8.0f  %-13s %-14s %7.3f %7.3f %8.3f %7.3f %7.3f %8.3f\n", name, p.ms, p.tflops(),
                 to_string(p.binding), comm_sms_text(p, heuristic).c_str(), p.tensor_ms, p.nvlink_ms,
                 p.comm_sm_ms, p.nic_ms, p.hbm_ms, exposed);
@@ -77,9 +77,11 @@ void print_plan(std::ostream& out, const PlanCommandOptions& options, const Laye
   if (p.forward_comm_sms == 0)
     out << format("(with today's heuristic comm SMs: forward %.3f ms, backward %.3f ms)\n", plan.forward.ms,
                   plan.backward.ms);
-  out << "terms in ms; the pass is exposed + the largest of tensor, NVLink, comm SMs, NIC, HBM (backward: "
-         "the\n"
-         "weight-gradient tiles after it); docs/internode.md §7.\n";
+  out << "terms in ms (tensor: the tiles after the first rows); the pass is the exposed terms + the longest "
+         "of\n"
+         "tensor, a link's or the comm SMs' traffic + the last minibatch's tiles, HBM (backward: + the "
+         "weight-\n"
+         "gradient tiles); docs/internode.md §7.\n";
 }
 
 void print_sweep(std::ostream& out, const std::vector<LayerPlan>& sweep, int gpus_per_node) {
