@@ -51,8 +51,8 @@ struct BackendChoice {
 // requested but impossible, or `requested` is not auto|cpu|gpu.
 BackendChoice choose_backend(const std::string& requested, const Machine& machine);
 
-// The CPU backend's default problem when neither a preset nor a shape is given (docs/design.md §5: "on a
-// machine without a GPU it runs the CPU reference at a small size").
+// The CPU backend's default problem when neither a preset nor a shape is given: on a machine without a GPU,
+// `pounce run` runs the CPU reference at a small size (and says so).
 inline constexpr Shape kCpuDefaultShape = {256, 512, 256, 16, 4, 256, 2};
 inline constexpr int64_t kCpuPresetTokens = 16;  // a preset on the CPU keeps its dims, not its batch
 inline constexpr const char* kGpuDefaultPreset = "qwen3-30b-a3b";
