@@ -11,7 +11,9 @@
 // --gtest_filter=Fuzz.ReplayOneCase), the case, the tensor and its first bad coordinate with both values.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <random>
