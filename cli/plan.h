@@ -39,7 +39,8 @@
 
 namespace pounce::cli {
 
-// ---- measured rates (H200 microbenchmarks, 2026-11-29..12-01, and docs/experiments/) -------------------------------------------
+// ---- measured rates (H200 microbenchmarks, 2026-11-29..12-01, and docs/experiments/)
+// -------------------------------------------
 
 inline constexpr int kPlanNumSms = 132;  // H200 SMs
 // Tensor work: a 128 x 256 x 64 cooperative tile's K block takes ~1040 SM clocks against the 1024 of the
@@ -59,12 +60,14 @@ inline constexpr double kWeightGradTileUs = 2.25;          // deepseek 0.57 + 1.
 // Share of the consumers' time spent waiting for a task in the fused kernels (experiment 021: 9-12 %).
 inline constexpr double kTaskWaitFraction = 0.10;
 // FP8 over BF16 tensor rate on this board: cuBLAS blockwise FP8 (1x128 x 128x128) 1134 TFLOP/s against bf16
-// dense 773 (measured on one H200, 2026-12-01). No FP8 kernel of ours is measured yet: FP8 predictions are unvalidated.
+// dense 773 (measured on one H200, 2026-12-01). No FP8 kernel of ours is measured yet: FP8 predictions are
+// unvalidated.
 inline constexpr double kFp8TensorSpeedup = 1134.0 / 773.0;
 // Memory and links.
-inline constexpr double kHbmGbps = 3930.0;            // device copy, read + write (H200 microbenchmark)
-inline constexpr double kNvlinkGbps = 370.0;          // SM loads/stores to the peer, per direction (H200 microbenchmark)
-inline constexpr double kNvlinkPerCommSmGbps = 19.0;  // 305 GB/s with 16 CTAs (H200, NCCL LSA test)
+inline constexpr double kHbmGbps = 3930.0;  // device copy, read + write (H200 microbenchmark)
+inline constexpr double kNvlinkGbps =
+    370.0;  // SM loads/stores to the peer, per direction (H200 microbenchmark)
+inline constexpr double kNvlinkPerCommSmGbps = 19.0;     // 305 GB/s with 16 CTAs (H200, NCCL LSA test)
 inline constexpr double kLocalCopyPerCommSmGbps = 50.0;  // assumed: HBM's shorter latency, ~2.5x NVLink's
 inline constexpr double kNicGbps = 50.0;                 // 400 Gb/s ConnectX-7 per GPU, per direction
 inline constexpr double kNicEfficiency = 0.9;            // assumed; DeepEP V1 reports 43-58 GB/s on it

@@ -159,7 +159,8 @@ std::string validation_markdown(const std::vector<ValidationRow>& rows, const st
   out +=
       "runs and the comm SMs the kernels' heuristics chose; error = (predicted - measured) / measured. The\n";
   out +=
-      "model's constants are in-kernel and microbenchmark measurements (docs/experiments/, H200 microbenchmarks), not "
+      "model's constants are in-kernel and microbenchmark measurements (docs/experiments/, H200 "
+      "microbenchmarks), not "
       "fitted\n";
   out += "to these records; docs/internode.md §8 says where and why it is off.\n\n";
   out += "| impl | pass | preset | EP | tokens | measured ms | predicted ms | error | binding |\n";

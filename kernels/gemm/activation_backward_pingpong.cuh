@@ -1,9 +1,9 @@
 // The activation backward with each consumer warpgroup on tiles of its own (sm_90a): the ping-pong tiles of
-// grouped_activation_backward (src/gpu/grouped_gemm.h, TileSchedule::kPingPong). d_a = bf16(A . W[group(row)]) with A
-// K-major and W read transposed (MN-major), then d_g, d_u = bf16(act'(g, u) d_a) in the epilogue. Same sums
-// as the cooperative kernel (grouped_gemm_kernel.cuh, kDataGradActivation), bit for bit: the same K steps in
-// the same order per output, and an m64n128 wgmma sums a column as the m64n256 one does (the tests compare
-// both schedules bitwise).
+// grouped_activation_backward (src/gpu/grouped_gemm.h, TileSchedule::kPingPong). d_a = bf16(A .
+// W[group(row)]) with A K-major and W read transposed (MN-major), then d_g, d_u = bf16(act'(g, u) d_a) in the
+// epilogue. Same sums as the cooperative kernel (grouped_gemm_kernel.cuh, kDataGradActivation), bit for bit:
+// the same K steps in the same order per output, and an m64n128 wgmma sums a column as the m64n256 one does
+// (the tests compare both schedules bitwise).
 //
 // Why: this epilogue loads the forward's g and u and evaluates the activation's derivative, about 30
 // instructions per element, with the tensor cores idle in the cooperative kernel: 447 useful TFLOP/s on
