@@ -3,7 +3,8 @@
 // an error naming the variable.
 //
 //   POUNCE_PEER_TIMEOUT_S   seconds a wait on a peer (device flags, barriers, the CPU group's host barriers)
-//                           may take before the call fails with a record of the wait; default 120
+//                           may take before the call fails with a record of the wait; default 120 (values
+//                           above 1e7 count as 1e7)
 //   POUNCE_PROFILE_STAGES   set (to anything): each pass prints where its time went, stage by stage, and
 //                           the fused kernels record their grid steps and tiles (synchronises; skipped
 //                           while a stream is being captured)
