@@ -192,13 +192,12 @@ std::vector<T> to_t(const std::vector<double>& values) {
   return std::vector<T>(values.begin(), values.end());
 }
 
-// Inputs must have passed validate_inputs().
-template <typename T>
-GroupData<T> make_group_data(const Problem& p, const std::vector<RankInputs>& ranks,
-                             const std::vector<Weights>& routed_per_rank, const Weights& shared,
-                             bool for_backward) {
-  const int64_t R = p.num_ranks, El = p.num_local_experts(), H = p.hidden, I = p.intermediate;
-  GroupData<T> group;
+// What every group layout (GroupData, Fp8GroupData) holds per rank: the schedule, x, the top-k weights and
+// (backward) d_out, in T. Sizes its `experts` to [R] for the caller to fill.
+template <typename T, typename Group>
+void fill_rank_inputs(const Problem& p, const std::vector<RankInputs>& ranks, bool for_backward,
+                      Group& group) {
+  const int64_t R = p.num_ranks;
   group.x.resize(R);
   group.topk_weights.resize(R);
   group.d_out.resize(R);
@@ -209,6 +208,16 @@ GroupData<T> make_group_data(const Problem& p, const std::vector<RankInputs>& ra
     group.topk_weights[r] = to_t<T>(ranks[r].topk_weights);
     if (for_backward) group.d_out[r] = to_t<T>(ranks[r].d_out);
   }
+}
+
+// Inputs must have passed validate_inputs().
+template <typename T>
+GroupData<T> make_group_data(const Problem& p, const std::vector<RankInputs>& ranks,
+                             const std::vector<Weights>& routed_per_rank, const Weights& shared,
+                             bool for_backward) {
+  const int64_t R = p.num_ranks, El = p.num_local_experts(), H = p.hidden, I = p.intermediate;
+  GroupData<T> group;
+  fill_rank_inputs<T>(p, ranks, for_backward, group);
   // [R * El] expert layouts, built in parallel: each task fills its own slot.
   std::vector<ExpertMatrices<T>> flat(R * El);
   parallel_for(R * El, p.num_threads, [&](int64_t task) {
@@ -358,6 +367,47 @@ void combine_d_x_tokens(const std::vector<int32_t>& topk_idx, const T* d_xs, con
 template <typename T>
 std::vector<double> to_double(const std::vector<T>& values) {
   return std::vector<double>(values.begin(), values.end());
+}
+
+// Backward's last phase, as both precisions run it: `result` gets every rank's gradients zeroed (and
+// d_topk_weights as computed); the returned tasks fill them: the d_x combine by chunks of
+// `tokens_per_chunk` tokens, then blocks of `rows_per_task` output rows of each expert's gate, up and down
+// gradient, the shared expert's last.
+template <typename T>
+std::vector<GradTask> plan_gradient_tasks(const Problem& p, const std::vector<RankInputs>& ranks,
+                                          const std::vector<std::vector<T>>& d_topk, int64_t tokens_per_chunk,
+                                          int64_t rows_per_task, std::vector<RankGradients>& result) {
+  const int64_t R = p.num_ranks, El = p.num_local_experts(), H = p.hidden, I = p.intermediate,
+                Is = p.shared_intermediate;
+  std::vector<GradTask> tasks;
+  for (const RowChunk& c : make_token_chunks(ranks, tokens_per_chunk)) {
+    tasks.push_back({c.rank, GradTask::kCombine, GradTensor::kGate, c.begin, c.end});
+  }
+  auto add_weight_tasks = [&](int64_t r, int64_t expert, int64_t inter) {
+    for (GradTensor tensor : {GradTensor::kGate, GradTensor::kUp, GradTensor::kDown}) {
+      const int64_t out_rows = tensor == GradTensor::kDown ? H : inter;
+      for (int64_t b = 0; b < out_rows; b += rows_per_task) {
+        tasks.push_back({r, expert, tensor, b, std::min(b + rows_per_task, out_rows)});
+      }
+    }
+  };
+  result.assign(R, RankGradients{});
+  for (int64_t r = 0; r < R; ++r) {
+    RankGradients& g = result[r];
+    g.d_x.assign(ranks[r].num_tokens * H, 0.0);
+    g.d_topk_weights = to_double(d_topk[r]);
+    g.d_routed.gate.assign(El * I * H, 0.0);
+    g.d_routed.up.assign(El * I * H, 0.0);
+    g.d_routed.down.assign(El * H * I, 0.0);
+    for (int64_t le = 0; le < El; ++le) add_weight_tasks(r, le, I);
+    if (Is > 0) {
+      g.d_shared.gate.assign(Is * H, 0.0);
+      g.d_shared.up.assign(Is * H, 0.0);
+      g.d_shared.down.assign(H * Is, 0.0);
+      add_weight_tasks(r, RowChunk::kSharedExpert, Is);
+    }
+  }
+  return tasks;
 }
 
 }  // namespace pounce::reference::detail

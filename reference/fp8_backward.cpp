@@ -131,34 +131,9 @@ std::vector<RankGradients> fp8_backward_t(const Problem& p, const std::vector<Ra
   });
 
   // ---- phase 3: d_x combine and weight gradients -------------------------------------------------------
-  std::vector<RankGradients> result(R);
-  std::vector<GradTask> tasks;
-  for (const RowChunk& c : make_token_chunks(ranks, kTokensPerChunk)) {
-    tasks.push_back({c.rank, GradTask::kCombine, GradTensor::kGate, c.begin, c.end});
-  }
-  auto add_weight_tasks = [&](int64_t r, int64_t expert, int64_t inter) {
-    for (GradTensor tensor : {GradTensor::kGate, GradTensor::kUp, GradTensor::kDown}) {
-      const int64_t out_rows = tensor == GradTensor::kDown ? H : inter;
-      for (int64_t b = 0; b < out_rows; b += kGradRowsPerTask) {
-        tasks.push_back({r, expert, tensor, b, std::min(b + kGradRowsPerTask, out_rows)});
-      }
-    }
-  };
-  for (int64_t r = 0; r < R; ++r) {
-    RankGradients& g = result[r];
-    g.d_x.assign(ranks[r].num_tokens * H, 0.0);
-    g.d_topk_weights = to_double(d_topk[r]);
-    g.d_routed.gate.assign(El * I * H, 0.0);
-    g.d_routed.up.assign(El * I * H, 0.0);
-    g.d_routed.down.assign(El * H * I, 0.0);
-    for (int64_t le = 0; le < El; ++le) add_weight_tasks(r, le, I);
-    if (Is > 0) {
-      g.d_shared.gate.assign(Is * H, 0.0);
-      g.d_shared.up.assign(Is * H, 0.0);
-      g.d_shared.down.assign(H * Is, 0.0);
-      add_weight_tasks(r, RowChunk::kSharedExpert, Is);
-    }
-  }
+  std::vector<RankGradients> result;
+  const std::vector<GradTask> tasks =
+      plan_gradient_tasks(p, ranks, d_topk, kTokensPerChunk, kGradRowsPerTask, result);
 
   parallel_for(static_cast<int64_t>(tasks.size()), p.num_threads, [&](int64_t task_idx) {
     const GradTask& task = tasks[task_idx];

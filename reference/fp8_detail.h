@@ -208,17 +208,8 @@ Fp8GroupData<T> make_fp8_group_data(const Problem& p, const std::vector<RankInpu
                                     bool for_backward) {
   const int64_t R = p.num_ranks, El = p.num_local_experts(), H = p.hidden, I = p.intermediate;
   Fp8GroupData<T> group;
-  group.x.resize(R);
+  fill_rank_inputs<T>(p, ranks, for_backward, group);
   group.x_q.resize(R);
-  group.topk_weights.resize(R);
-  group.d_out.resize(R);
-  group.experts.resize(R);
-  for (int64_t r = 0; r < R; ++r) {
-    group.schedules.push_back(build_schedule_unchecked(p, ranks, r));
-    group.x[r] = to_t<T>(ranks[r].x);
-    group.topk_weights[r] = to_t<T>(ranks[r].topk_weights);
-    if (for_backward) group.d_out[r] = to_t<T>(ranks[r].d_out);
-  }
   // Tasks [0, R): x_q of rank r; [R, R + R * El): the weights of one expert. Each fills its own slot.
   std::vector<Fp8Expert<T>> flat(R * El);
   parallel_for(R + R * El, p.num_threads, [&](int64_t task) {
