@@ -105,16 +105,26 @@ TEST(Api, Fp8WithoutQuantizedWeightsIsRejected) {
   for (uint16_t bits : data.out) ASSERT_EQ(bits, kPoisonBf16) << "out was written";
 }
 
+// Two ranks of small_shape(2), 16 tokens each into `data`: `call(workspace, rank's data, rank)` on each
+// rank's thread; returns each rank's error ("" = none).
+std::vector<std::string> on_two_ranks(std::vector<RankData>& data,
+                                      const std::function<void(Workspace&, RankData&, int)>& call) {
+  const int R = 2;
+  const Shape shape = small_shape(R);
+  for (int r = 0; r < R; ++r) data.emplace_back(shape, 16, r, 3);
+  auto groups = Group::create_cpu(R);
+  return on_every_rank(R, [&](int r) {
+    Workspace workspace(groups[r], shape, Config{});
+    call(workspace, data[r], r);
+  });
+}
+
 // One rank passes a bad argument: every rank fails with a message naming it, and no output is written.
 void expect_rejected(const std::function<void(ForwardArgs&)>& corrupt, const std::string& needle) {
   const int R = 2;
-  const Shape shape = small_shape(R);
   std::vector<RankData> data;
-  for (int r = 0; r < R; ++r) data.emplace_back(shape, 16, r, 3);
-  auto groups = Group::create_cpu(R);
-  auto errors = on_every_rank(R, [&](int r) {
-    Workspace workspace(groups[r], shape, Config{});
-    ForwardArgs args = data[r].forward_args(shape);
+  auto errors = on_two_ranks(data, [&](Workspace& workspace, RankData& rank, int r) {
+    ForwardArgs args = rank.forward_args(small_shape(R));
     if (r == 1) corrupt(args);
     forward(workspace, args);
   });
@@ -173,12 +183,9 @@ void expect_backward_rejected(const std::function<void(BackwardArgs&)>& corrupt,
   const int R = 2;
   const Shape shape = small_shape(R);
   std::vector<RankData> data;
-  for (int r = 0; r < R; ++r) data.emplace_back(shape, 16, r, 3);
-  auto groups = Group::create_cpu(R);
-  auto errors = on_every_rank(R, [&](int r) {
-    Workspace workspace(groups[r], shape, Config{});
-    forward(workspace, data[r].forward_args(shape));
-    BackwardArgs args = data[r].backward_args(shape);
+  auto errors = on_two_ranks(data, [&](Workspace& workspace, RankData& rank, int r) {
+    forward(workspace, rank.forward_args(shape));
+    BackwardArgs args = rank.backward_args(shape);
     if (r == 1) corrupt(args);
     backward(workspace, args);
   });
