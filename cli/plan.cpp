@@ -256,14 +256,25 @@ int heuristic_comm_sms(const PlanProblem& problem, bool backward, PlanPath path)
 
 namespace {
 
+// A pass's prediction before its terms: the path, comm SMs and combine it runs with.
+PassPrediction pass_on(PlanPath path, int comm_sms, bool push_combine) {
+  PassPrediction out;
+  out.path = path;
+  out.comm_sms = comm_sms;
+  out.push_combine = push_combine;
+  return out;
+}
+
+// The time factor of work spread over `compute_sms` SMs that also wait for their tasks part of the time.
+double compute_share(int compute_sms) {
+  return 1.0 / compute_sms / (1 - kTaskWaitFraction);
+}
+
 PassPrediction predict_staged_forward(const PlanProblem& problem, int comm_sms) {
   const Dims d = dims_of(problem);
   const PlanTraffic tr = plan_traffic(problem);
   POUNCE_CHECK(d.N == 1, "the staged path is modelled on one node only (the internode design is fused)");
-  PassPrediction out;
-  out.path = PlanPath::kStaged;
-  out.comm_sms = comm_sms;
-  out.push_combine = true;
+  PassPrediction out = pass_on(PlanPath::kStaged, comm_sms, true);
   const StagedLayout s = staged_layout(d, tr.padded_rows_per_expert, comm_sms);
   const CommRates rates = comm_rates(problem, comm_sms);
   const double gate_up = mainloop_us(d.H / 64.0, d.speedup) + kGateUpTileUs;
@@ -297,10 +308,7 @@ PassPrediction predict_staged_backward(const PlanProblem& problem, int comm_sms)
   const Dims d = dims_of(problem);
   const PlanTraffic tr = plan_traffic(problem);
   POUNCE_CHECK(d.N == 1, "the staged path is modelled on one node only (the internode design is fused)");
-  PassPrediction out;
-  out.path = PlanPath::kStaged;
-  out.comm_sms = comm_sms;
-  out.push_combine = true;
+  PassPrediction out = pass_on(PlanPath::kStaged, comm_sms, true);
   const StagedLayout s = staged_layout(d, tr.padded_rows_per_expert, comm_sms);
   const CommRates rates = comm_rates(problem, comm_sms);
   const double d_a = mainloop_us(d.H / 64.0, d.speedup) + kActivationBackwardTileUs;
@@ -409,12 +417,9 @@ void fused_comm_terms(const PlanProblem& problem, const Dims& d, const PlanTraff
 PassPrediction predict_fused_forward(const PlanProblem& problem, int comm_sms) {
   const Dims d = dims_of(problem);
   const PlanTraffic tr = plan_traffic(problem);
-  PassPrediction out;
-  out.path = PlanPath::kFused;
-  out.comm_sms = comm_sms;
-  out.push_combine = push_combine(d);
+  PassPrediction out = pass_on(PlanPath::kFused, comm_sms, push_combine(d));
   const int compute_sms = kPlanNumSms - comm_sms;
-  const double per_sm = 1.0 / compute_sms / (1 - kTaskWaitFraction);
+  const double per_sm = compute_share(compute_sms);
 
   const double m_blocks = tr.routed_rows / kPlanBlockM;
   const double routed_us =
@@ -457,12 +462,9 @@ PassPrediction predict_fused_forward(const PlanProblem& problem, int comm_sms) {
 PassPrediction predict_fused_backward(const PlanProblem& problem, int comm_sms) {
   const Dims d = dims_of(problem);
   const PlanTraffic tr = plan_traffic(problem);
-  PassPrediction out;
-  out.path = PlanPath::kFused;
-  out.comm_sms = comm_sms;
-  out.push_combine = push_combine(d);
+  PassPrediction out = pass_on(PlanPath::kFused, comm_sms, push_combine(d));
   const int compute_sms = kPlanNumSms - comm_sms;
-  const double per_sm = 1.0 / compute_sms / (1 - kTaskWaitFraction);
+  const double per_sm = compute_share(compute_sms);
 
   const double m_blocks = tr.routed_rows / kPlanBlockM;
   const double data_us =
