@@ -32,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -377,12 +378,14 @@ def _make_inputs(T, H, E, k, seed, device):
 
 
 def _time_iterations(prep, run, nsets, warmup, iters, group, device):
-    """Per-iteration CUDA-event times, maxed over ranks; ranks aligned before every iteration."""
+    """Per-iteration CUDA-event times, maxed over ranks, and the wall-clock (Unix seconds) window of the timed
+    iterations (pounce bench matches its GPU telemetry to it); ranks aligned before every iteration."""
     tiny = torch.zeros(1, device=device)
     for i in range(warmup):
         prep(i % nsets)
         run(i % nsets)
     torch.cuda.synchronize()
+    window_start = time.time()
     events = []
     for i in range(iters):
         s = i % nsets
@@ -396,9 +399,10 @@ def _time_iterations(prep, run, nsets, warmup, iters, group, device):
         end.record()
         events.append((start, end))
     torch.cuda.synchronize()
+    window = (window_start, time.time())
     t = torch.tensor([a.elapsed_time(b) for a, b in events], device=device, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
+    return t.tolist(), window
 
 
 def rotation_sets(set_bytes, l2_bytes, min_sets=3, max_sets=256, max_bytes=2 << 30):
@@ -412,7 +416,48 @@ def rotation_sets(set_bytes, l2_bytes, min_sets=3, max_sets=256, max_bytes=2 << 
     return max(2, min(enough, affordable))
 
 
-def bench_config(preset, cfg, T, passes, args, rank, R, group, device, meta):
+def progress(rank, text):
+    """A progress line on rank 0, at once (long setups never sit silent)."""
+    if rank == 0:
+        print(f"[baseline {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def pass_record(impl, pss, times, window, flops, preset, cfg, T, R, nsets, args, meta, **extra):
+    """One record of a timed pass (the baseline's or a peer's), the keys of docs/design.md §7."""
+    med = statistics.median(times)
+    # the later half of the runs, as `pounce bench`'s late_median_ms (cli/parallel.h)
+    late = statistics.median(times[len(times) // 2:])
+    return dict(impl=impl, **{"pass": pss}, preset=preset, ranks=R, tokens_per_rank=T,
+                precision="bf16", median_ms=round(med, 4), tflops=round(flops / (med * 1e-3) / 1e12, 2),
+                late_median_ms=round(late, 4), times_ms=[round(t, 4) for t in times],
+                min_ms=round(min(times), 4), max_ms=round(max(times), 4),
+                flops_per_rank=flops, timed_window_unix_s=[round(window[0], 3), round(window[1], 3)],
+                hidden=cfg["hidden"], intermediate=cfg["intermediate"], experts=cfg["experts"],
+                topk=cfg["topk"], shared_intermediate=cfg["shared_intermediate"],
+                activation=cfg["activation"], limit=cfg["limit"],
+                iters=args.iters, warmup=args.warmup, input_sets=nsets, **extra, **meta)
+
+
+def not_run_record(impl, pss, reason, unsupported, preset, cfg, T, R, meta, **extra):
+    """The record of a peer that did not run: why (and whether its design cannot: ``unsupported``)."""
+    return dict(impl=impl, **{"pass": pss}, preset=preset, ranks=R, tokens_per_rank=T, precision="bf16",
+                median_ms=None, tflops=None, error=reason, unsupported=bool(unsupported),
+                hidden=cfg["hidden"], intermediate=cfg["intermediate"], experts=cfg["experts"],
+                topk=cfg["topk"], shared_intermediate=cfg["shared_intermediate"],
+                activation=cfg["activation"], limit=cfg["limit"], **extra, **meta)
+
+
+def _print_record(rank, rec):
+    if rank == 0 and isinstance(rec.get("median_ms"), (int, float)):
+        print(f"  {rec['impl']:12s} {rec['preset']:20s} T={rec['tokens_per_rank']:6d} {rec['pass']:17s} median "
+              f"{rec['median_ms']:9.3f} ms  {rec['tflops']:7.1f} TFLOP/s  (min {rec['min_ms']:.3f}, max "
+              f"{rec['max_ms']:.3f})", flush=True)
+    elif rank == 0:
+        print(f"  {rec['impl']:12s} {rec['preset']:20s} T={rec['tokens_per_rank']:6d} {rec['pass']:17s} not run: "
+              f"{rec['error']}", flush=True)
+
+
+def bench_config(preset, cfg, T, passes, args, rank, R, group, device, meta, peer_names=()):
     H, I, E, k = cfg["hidden"], cfg["intermediate"], cfg["experts"], cfg["topk"]
     Is, act, limit = cfg["shared_intermediate"], cfg["activation"], cfg["limit"]
     assert E % R == 0, f"{preset}: experts {E} not divisible by ranks {R}"
@@ -424,6 +469,7 @@ def bench_config(preset, cfg, T, passes, args, rank, R, group, device, meta):
         t = torch.randn(*shape, generator=gen, device=device, dtype=bf)
         return t.mul_(fan_in ** -0.5).requires_grad_()
 
+    progress(rank, f"{preset} T={T}: generating weights ({3 * El * I * H * 2 / 2**30:.1f} GiB per rank)")
     w_gate, w_up, w_down = param(El, I, H, fan_in=H), param(El, I, H, fan_in=H), param(El, H, I, fan_in=I)
     shared = [param(Is, H, fan_in=H), param(Is, H, fan_in=H), param(H, Is, fan_in=Is)] if Is else []
     params = [w_gate, w_up, w_down] + shared
@@ -432,6 +478,7 @@ def bench_config(preset, cfg, T, passes, args, rank, R, group, device, meta):
         # x and d_out [T,H] bf16, topk_idx [T,k] int64, topk_weights [T,k] fp32
         l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 60 << 20
         nsets = rotation_sets(2 * T * H * 2 + T * k * (8 + 4), l2)
+    progress(rank, f"{preset} T={T}: generating {nsets} input sets")
     sets = [_make_inputs(T, H, E, k, args.seed + 1000 * rank + s + 1, device) for s in range(nsets)]
     sets = [(x.requires_grad_(), idx, w.requires_grad_(), d) for x, idx, w, d in sets]
 
@@ -461,31 +508,115 @@ def bench_config(preset, cfg, T, passes, args, rank, R, group, device, meta):
 
     records = []
     for pss in passes:
+        progress(rank, f"{preset} T={T}: baseline {pss}, {args.warmup} warm-up + {args.iters} timed runs")
         if pss == "forward":
-            times = _time_iterations(zero_grads, run_fwd, nsets, args.warmup, args.iters, group, device)
+            times, window = _time_iterations(zero_grads, run_fwd, nsets, args.warmup, args.iters, group, device)
             flops, a2a = flops_fwd, a2a_bytes_fwd
         elif pss == "forward_backward":
-            times = _time_iterations(zero_grads, run_fwd_bwd, nsets, args.warmup, args.iters, group, device)
+            times, window = _time_iterations(zero_grads, run_fwd_bwd, nsets, args.warmup, args.iters, group,
+                                             device)
             flops, a2a = 3 * flops_fwd, 2 * a2a_bytes_fwd
         else:
             raise ValueError(f"--passes: unknown pass {pss!r} (forward | forward_backward)")
         med = statistics.median(times)
-        # the later half of the runs, as `pounce bench`'s late_median_ms (cli/parallel.h)
-        late = statistics.median(times[len(times) // 2:])
-        rec = dict(impl="baseline", **{"pass": pss}, preset=preset, ranks=R, tokens_per_rank=T,
-                   precision="bf16", median_ms=round(med, 4), tflops=round(flops / (med * 1e-3) / 1e12, 2),
-                   late_median_ms=round(late, 4), times_ms=[round(t, 4) for t in times],
-                   min_ms=round(min(times), 4), max_ms=round(max(times), 4),
-                   a2a_gbps=round(a2a / (med * 1e-3) / 1e9, 1),
-                   hidden=H, intermediate=I, experts=E, topk=k, shared_intermediate=Is,
-                   activation=act, limit=limit, fused_gate_up=bool(args.fused_gate_up),
-                   iters=args.iters, warmup=args.warmup, input_sets=nsets, **meta)
+        rec = pass_record("baseline", pss, times, window, flops, preset, cfg, T, R, nsets, args, meta,
+                          a2a_gbps=round(a2a / (med * 1e-3) / 1e9, 1), fused_gate_up=bool(args.fused_gate_up),
+                          peer="PyTorch all_to_all_single + torch._grouped_mm (bench/baselines/torch_moe.py)",
+                          peer_version=f"torch {torch.__version__}")
         records.append(rec)
-        if rank == 0:
-            print(f"  {preset:20s} T={T:6d} {pss:17s} median {med:9.3f} ms  {rec['tflops']:7.1f} TFLOP/s"
-                  f"  (min {min(times):.3f}, max {max(times):.3f}; a2a {rec['a2a_gbps']:.0f} GB/s)",
-                  flush=True)
+        _print_record(rank, rec)
+
+    if peer_names:
+        weights = dict(gate=w_gate, up=w_up, down=w_down)
+        with torch.no_grad():
+            reference = fwd(0).detach()  # set 0's baseline output: each peer's output is checked against it
+        zero_grads(0)
+        for name in peer_names:
+            records += bench_peer(name, preset, cfg, T, passes, args, rank, R, group, device, meta, weights,
+                                  shared, sets, nsets, flops_fwd, params, reference)
+            torch.cuda.empty_cache()
     return records
+
+
+def bench_peer(name, preset, cfg, T, passes, args, rank, R, group, device, meta, weights, shared, sets, nsets,
+               flops_fwd, params, reference):
+    """Records of one peer (bench/baselines/peers.py) on the baseline's weights and input sets: timed, or
+    why not."""
+    import peers
+
+    def not_run(reason, unsupported, **extra):
+        recs = [not_run_record(name, pss, reason, unsupported, preset, cfg, T, R, meta,
+                               peer=peers.DESCRIPTIONS[name], **extra) for pss in passes]
+        for rec in recs:
+            _print_record(rank, rec)
+        return recs
+
+    reason = peers.unsupported_reason(name, cfg, R)
+    if reason:
+        return not_run(reason, True)
+    version, missing = peers.availability(name)
+    if missing:
+        return not_run(missing, False)
+    progress(rank, f"{preset} T={T}: {name} ({version}): setting up"
+             + (" (its first call autotunes; the cache keeps it)" if name == "liger" else ""))
+    described = dict(peer=peers.DESCRIPTIONS[name], peer_version=version)
+    try:
+        if name == "floor":
+            run, grads_of, leaves, notes = peers.build_floor(weights, sets, cfg, group, R, shared)
+        else:
+            builder = peers.build_liger if name == "liger" else peers.build_transformers
+            one, leaves, notes = builder(weights, sets, cfg)
+            run = lambda s: (one(s),)  # noqa: E731
+
+            def grads_of(s):
+                return (sets[s][3],)
+    except Exception as error:  # noqa: BLE001 - a peer that fails to set up is reported, the sweep goes on
+        return not_run(f"{name} failed to set up: {type(error).__name__}: {error}", False, **described)
+    described["peer_notes"] = notes
+
+    check = None
+    try:
+        if name != "floor":
+            with torch.no_grad():
+                check = _rel_err(run(0)[0], reference)
+            check_t = torch.tensor([check], device=device, dtype=torch.float64)
+            dist.all_reduce(check_t, op=dist.ReduceOp.MAX, group=group)
+            check = check_t.item()
+            if not check < 2e-2:
+                return not_run(f"{name}'s output differs from the baseline's: max relative error {check:.3e} "
+                               f">= 2e-2", False, **described)
+    except Exception as error:  # noqa: BLE001
+        return not_run(f"{name} failed: {type(error).__name__}: {error}", False, **described)
+
+    every_leaf = params + leaves + [t for st in sets for t in (st[0], st[2])]
+
+    def zero_grads(s):
+        for p in every_leaf:
+            p.grad = None
+
+    def run_fwd(s):
+        run(s)
+
+    def run_fwd_bwd(s):
+        torch.autograd.backward(run(s), grads_of(s))
+
+    recs = []
+    for pss in passes:
+        progress(rank, f"{preset} T={T}: {name} {pss}, {args.warmup} warm-up + {args.iters} timed runs")
+        try:
+            timed = run_fwd if pss == "forward" else run_fwd_bwd
+            times, window = _time_iterations(zero_grads, timed, nsets, args.warmup, args.iters, group, device)
+        except Exception as error:  # noqa: BLE001 - e.g. out of memory in Triton's autotune
+            recs += not_run(f"{name} {pss} failed: {type(error).__name__}: {error}", False, **described)
+            zero_grads(0)
+            continue
+        flops = flops_fwd if pss == "forward" else 3 * flops_fwd
+        rec = pass_record(name, pss, times, window, flops, preset, cfg, T, R, nsets, args, meta,
+                          check_vs_baseline_max_rel_err=check, **described)
+        recs.append(rec)
+        _print_record(rank, rec)
+    zero_grads(0)
+    return recs
 
 
 def _parse_args(argv=None):
@@ -512,13 +643,28 @@ def _parse_args(argv=None):
     p.add_argument("--shared-intermediate", type=int, default=0)
     p.add_argument("--activation", choices=["swiglu", "gptoss"], default="swiglu")
     p.add_argument("--limit", type=float, default=None)
+    p.add_argument("--peers", default="",
+                   help="comma list of peers measured after the baseline on its inputs (bench/baselines/peers.py):"
+                        " liger, transformers, floor, or all")
     args = p.parse_args(argv)
     if args.sets != 0 and args.sets < 3:
         p.error("--sets must be >= 3, or 0 for as many as exceed twice the L2")
     return args
 
 
+def custom_spec_config(name):
+    """``custom:H:I:E:k[:Is]`` (``pounce bench``'s custom shapes, cli/bench.h: SwiGLU, no clamp) -> its config."""
+    fields = name.split(":")[1:]
+    if len(fields) not in (4, 5) or not all(f.isdigit() for f in fields):
+        raise SystemExit(f"--preset {name}: write custom:H:I:E:k or custom:H:I:E:k:Is")
+    H, I, E, k = (int(f) for f in fields[:4])
+    return dict(hidden=H, intermediate=I, experts=E, topk=k, shared_intermediate=int(fields[4]) if len(fields) == 5
+                else 0, activation="swiglu", limit=None)
+
+
 def _preset_config(name, args):
+    if name.startswith("custom:"):
+        return custom_spec_config(name)
     if name == "custom":
         missing = [o for o in ("hidden", "intermediate", "experts", "topk") if getattr(args, o) is None]
         if missing:
@@ -527,8 +673,15 @@ def _preset_config(name, args):
                     topk=args.topk, shared_intermediate=args.shared_intermediate,
                     activation=args.activation, limit=args.limit)
     if name not in PRESETS:
-        raise SystemExit(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}, custom")
+        raise SystemExit(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}, custom, custom:H:I:E:k[:Is]")
     return dict(PRESETS[name])
+
+
+def _write_records(records, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".part", "w") as f:
+        json.dump(records, f, indent=1)
+    os.replace(path + ".part", path)
 
 
 def main(argv=None):
@@ -566,6 +719,9 @@ def main(argv=None):
                     torch=torch.__version__, commit=_commit(),
                     command=f"torchrun --nproc-per-node={R} " + " ".join(sys.argv),
                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        import peers
+
+        peer_names = peers.parse_peers(args.peers)
         presets = [s.strip() for s in args.preset.split(",") if s.strip()]
         tokens = [int(s) for s in args.tokens.split(",") if s.strip()]
         passes = [s.strip() for s in args.passes.split(",") if s.strip()]
@@ -573,24 +729,28 @@ def main(argv=None):
             print(f"baseline: {R} x {meta['gpu']}, torch {torch.__version__}, CUDA {meta['cuda']}, "
                   f"NCCL {meta['nccl']}, driver {meta['driver']}; median of {args.iters} iterations "
                   f"(per-iteration max over ranks), "
-                  f"{args.sets or 'enough (> 2 x L2)'} rotated input sets", flush=True)
+                  f"{args.sets or 'enough (> 2 x L2)'} rotated input sets"
+                  + (f"; then on the same inputs: {', '.join(peer_names)}" if peer_names else ""), flush=True)
         records = []
-        for name in presets:
-            cfg = _preset_config(name, args)
-            for T in tokens:
-                records += bench_config(name, cfg, T, passes, args, rank, R, group, device, meta)
-                torch.cuda.empty_cache()
+        configs = [(name, _preset_config(name, args), T) for name in presets for T in tokens]
+        for n, (name, cfg, T) in enumerate(configs):
+            progress(rank, f"configuration {n + 1}/{len(configs)}: {name}, {T} tokens per rank")
+            records += bench_config(name, cfg, T, passes, args, rank, R, group, device, meta, peer_names)
+            torch.cuda.empty_cache()
+            if rank == 0 and args.json:  # after every configuration: a later crash keeps what was measured
+                _write_records(records, args.json)
         if rank == 0:
             print()
-            print(f"| preset | tokens/rank | pass | median ms | TFLOP/s |")
-            print(f"|---|---|---|---|---|")
+            print("| impl | preset | tokens/rank | pass | median ms | TFLOP/s |")
+            print("|---|---|---|---|---|---|")
             for r in records:
-                print(f"| {r['preset']} | {r['tokens_per_rank']} | {r['pass']} | {r['median_ms']:.3f} "
-                      f"| {r['tflops']:.1f} |")
+                if isinstance(r.get("median_ms"), (int, float)):
+                    print(f"| {r['impl']} | {r['preset']} | {r['tokens_per_rank']} | {r['pass']} | "
+                          f"{r['median_ms']:.3f} | {r['tflops']:.1f} |")
+                else:
+                    print(f"| {r['impl']} | {r['preset']} | {r['tokens_per_rank']} | {r['pass']} | - | - |")
             if args.json:
-                os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-                with open(args.json, "w") as f:
-                    json.dump(records, f, indent=1)
+                _write_records(records, args.json)
                 print(f"wrote {len(records)} records to {args.json}")
     finally:
         if dist.is_initialized():
