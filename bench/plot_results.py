@@ -2,9 +2,11 @@
 """Chart `pounce bench` records (bench/results/ep<R>_<precision>.json, or a run's own file) as a PNG.
 
 Throughput (TFLOP/s per GPU, useful work as docs/design.md §7 counts it) against tokens per rank on a
-log2 axis, one line per (impl, preset, pass): Pounce solid, the PyTorch baseline of the same run dashed,
-each Pounce point labelled with its speed-up over that baseline. When every line would be a single
-point (one token count), it draws grouped bars per (preset, pass) instead.
+log2 axis, one line per (impl, preset, pass): Pounce solid, the PyTorch baseline and the peers of the same
+run (Liger's fused MoE, transformers' grouped_mm experts, the compute-only floor) dashed or dotted, each
+Pounce point labelled with its speed-up over that baseline. When every line would be a single point (one
+token count: a sweep of `pounce bench`), it draws grouped bars per (preset, pass) instead, each Pounce bar
+labelled with its speed-up over the baseline and each peer and its fraction of the floor.
 
   python3 bench/plot_results.py bench/results/ep2_bf16.json -o ep2_bf16.png
   python3 bench/plot_results.py bench/results/ep2_bf16.json --impl fused,baseline --tokens 8192 -o ep2.png
@@ -23,7 +25,16 @@ from collections import OrderedDict
 
 PASS_ORDER = ["forward", "backward", "forward_backward"]
 PASS_MARKERS = {"forward": "o", "backward": "^", "forward_backward": "s"}
-IMPL_STYLES = {"fused": "-", "fused-all": "-", "staged": "-", "baseline": "--"}
+IMPL_STYLES = {"fused": "-", "fused-all": "-", "staged": "-", "baseline": "--", "liger": ":",
+               "transformers": "-.", "floor": (0, (1, 3))}
+PEERS = ["baseline", "liger", "transformers", "floor"]  # not Pounce; the bars' order after Pounce's
+PEER_NAMES = {"baseline": "PyTorch baseline", "liger": "Liger fused MoE", "transformers": "transformers grouped_mm",
+              "floor": "compute-only floor"}
+PEER_HATCHES = {"baseline": "//", "liger": "..", "transformers": "xx", "floor": None}
+
+
+def who(impl):
+    return PEER_NAMES.get(impl, f"Pounce {impl}")
 
 
 def load_records(paths):
@@ -60,7 +71,7 @@ def series_of(records):
     def order(key):
         impl, preset, pss, ranks = key
         return (presets.index(preset), PASS_ORDER.index(pss) if pss in PASS_ORDER else 9,
-                impl == "baseline", impl, ranks)
+                PEERS.index(impl) + 1 if impl in PEERS else 0, impl, ranks)
 
     series = {}
     for r in records:
@@ -77,18 +88,22 @@ def describe(records):
     return f"{' / '.join(gpus)}, {ranks_text}, {' / '.join(precisions)}"
 
 
-def footnote(records):
-    commits = sorted({str(r.get("commit", "?"))[:12] for r in records if r.get("impl") != "baseline"})
+def footnote(records, unmeasured=()):
+    commits = sorted({str(r.get("commit", "?"))[:12] for r in records if r.get("impl") not in PEERS})
     dates = sorted({str(r.get("date", ""))[:10] for r in records})
+    versions = sorted({f"{r['impl']}: {r['peer_version']}" for r in records
+                       if r.get("impl") in PEERS and r.get("peer_version")})
+    cannot = sorted({f"{r.get('impl')} on {r.get('preset')}" for r in unmeasured if r.get("unsupported")})
     return (f"TFLOP/s per GPU, useful work (docs/design.md §7); median of iterations, slowest rank per "
-            f"iteration; baseline: all_to_all_single + torch._grouped_mm, same run. "
-            f"Pounce commit {', '.join(commits) or '-'}; {', '.join(dates)}")
+            f"iteration; baseline: all_to_all_single + torch._grouped_mm; peers on the same inputs, same run"
+            + (f" ({'; '.join(versions)})" if versions else "") + ". "
+            + (f"Cannot run: {', '.join(cannot)} (docs/benchmarks.md). " if cannot else "")
+            + f"Pounce commit {', '.join(commits) or '-'}; {', '.join(dates)}")
 
 
 def label(key, many_ranks):
     impl, preset, pss, ranks = key
-    who = "PyTorch baseline" if impl == "baseline" else f"Pounce {impl}"
-    return f"{preset} {pss.replace('_', '+')}: {who}" + (f" (EP{ranks})" if many_ranks else "")
+    return f"{preset} {pss.replace('_', '+')}: {who(impl)}" + (f" (EP{ranks})" if many_ranks else "")
 
 
 def plot_lines(ax, series):
@@ -103,8 +118,8 @@ def plot_lines(ax, series):
         color = color_of.setdefault((preset, pss, ranks), colors[len(color_of) % len(colors)])
         x = [r["tokens_per_rank"] for r in rs]
         y = [r["tflops"] for r in rs]
-        baseline = impl == "baseline"
-        ax.plot(x, y, IMPL_STYLES.get(impl, "-."), color=color, marker=PASS_MARKERS.get(pss, "o"),
+        baseline = impl in PEERS
+        ax.plot(x, y, linestyle=IMPL_STYLES.get(impl, "-."), color=color, marker=PASS_MARKERS.get(pss, "o"),
                 markerfacecolor="none" if baseline else color, linewidth=1.2 if baseline else 2.0,
                 label=label(key, many_ranks))
         if not baseline:
@@ -123,11 +138,32 @@ def plot_lines(ax, series):
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 
 
+def bar_note(impl, r):
+    """TFLOP/s, and for Pounce its speed-up over the baseline (late: the later half of the runs, docs/design.md,
+    Power) and over each other peer, and its fraction of the compute-only floor."""
+    note = f"{r['tflops']:.0f}"
+    if impl in PEERS:
+        return note
+    s, late = r.get("speedup_vs_baseline"), r.get("late_speedup_vs_baseline")
+    if isinstance(s, (int, float)):
+        note += f"\n{s:.2f}×"
+    if isinstance(late, (int, float)):
+        note += f"\nlate {late:.2f}×"
+    short = {"liger": "L", "transformers": "T"}
+    for peer, ratio in sorted((r.get("speedup_vs") or {}).items()):
+        if peer in short and isinstance(ratio, (int, float)):
+            note += f"\n{short[peer]} {ratio:.2f}×"
+    if isinstance(r.get("floor_fraction"), (int, float)):
+        note += f"\nfloor {100 * r['floor_fraction']:.0f}%"
+    return note
+
+
 def plot_bars(ax, series):
     import matplotlib.pyplot as plt
 
     groups = list(OrderedDict.fromkeys((k[1], k[2], k[3]) for k in series))
-    impls = list(OrderedDict.fromkeys(k[0] for k in sorted(series, key=lambda k: k[0] == "baseline")))
+    impls = list(OrderedDict.fromkeys(k[0] for k in sorted(
+        series, key=lambda k: PEERS.index(k[0]) + 1 if k[0] in PEERS else 0)))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     width = 0.8 / max(1, len(impls))
     many_ranks = len({g[2] for g in groups}) > 1
@@ -140,16 +176,10 @@ def plot_bars(ax, series):
             r = rs[-1]
             xs.append(g + (i - (len(impls) - 1) / 2) * width)
             ys.append(r["tflops"])
-            s = r.get("speedup_vs_baseline")
-            late = r.get("late_speedup_vs_baseline")  # the later half of the runs (docs/design.md, Power)
-            notes.append(f"{r['tflops']:.0f}" + (f"\n{s:.2f}×" if impl != "baseline" and
-                                                 isinstance(s, (int, float)) else "")
-                         + (f"\nlate {late:.2f}×" if impl != "baseline" and
-                            isinstance(late, (int, float)) else ""))
-        who = "PyTorch baseline" if impl == "baseline" else f"Pounce {impl}"
-        bars = ax.bar(xs, ys, width, label=who, color=colors[i % len(colors)],
-                      hatch="//" if impl == "baseline" else None,
-                      alpha=0.6 if impl == "baseline" else 1.0)
+            notes.append(bar_note(impl, r))
+        bars = ax.bar(xs, ys, width, label=who(impl), color=colors[i % len(colors)],
+                      hatch=PEER_HATCHES.get(impl) if impl in PEERS else None,
+                      alpha=0.6 if impl in PEERS else 1.0)
         for bar, note in zip(bars, notes):
             ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), textcoords="offset points",
                         xytext=(0, 2), ha="center", va="bottom", fontsize=7)
@@ -203,8 +233,10 @@ def main(argv=None):
         plot_bars(ax, series)
     tokens = sorted({r["tokens_per_rank"] for r in records})
     at = f", {tokens[0]} tokens per rank" if kind == "bars" and len(tokens) == 1 else ""
-    ax.set_title(args.title or f"Pounce vs PyTorch expert parallelism: {describe(records)}{at}", fontsize=11)
-    fig.text(0.01, 0.005, footnote(records), fontsize=6, color="0.35", ha="left", va="bottom", wrap=True)
+    rivals = "its peers" if any(r.get("impl") in PEERS[1:] for r in records) else "PyTorch expert parallelism"
+    ax.set_title(args.title or f"Pounce vs {rivals}: {describe(records)}{at}", fontsize=11)
+    fig.text(0.01, 0.005, footnote(records, unmeasured), fontsize=6, color="0.35", ha="left", va="bottom",
+             wrap=True)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(args.out, dpi=150)
     print(f"wrote {args.out}: {len(series)} {'lines' if kind == 'lines' else 'bar series'}, "
