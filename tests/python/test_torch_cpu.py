@@ -184,10 +184,172 @@ def test_layers_sharing_a_workspace_recompute_the_context():
 
     shared_run, shared_stats = two_layers(True)
     separate_run, separate_stats = two_layers(False)
-    assert [s["recomputes"] for s in shared_stats] == [1]
-    assert separate_stats == []  # private workspaces are not cached
+    assert [(s["shared"], s["layers"], s["recomputes"]) for s in shared_stats] == [(True, 2, 1)]
+    assert [(s["shared"], s["layers"], s["recomputes"]) for s in separate_stats] == [(False, 1, 0)] * 2
     for a, b in zip(shared_run, separate_run):
         assert torch.equal(a, b)
+
+
+def l_layer_steps(num_layers, steps, **module_kwargs):
+    """A model of L MoE layers in a row trained `steps` steps (fresh routing per layer and step)."""
+    inputs, routed, _ = make_inputs([24], seed=20)
+    x, idx, weights, d_out = inputs[0]
+    state = expert_state_dict(routed, None)
+    layers = [pt.MoE(H, I, E, K, max_tokens=32, **module_kwargs) for _ in range(num_layers)]
+    for layer in layers:
+        layer.load_state_dict(state)
+    for step in range(steps):
+        h = x.clone().requires_grad_()
+        for i, layer in enumerate(layers):
+            h = layer(h, torch.roll(idx, i + step, dims=0), weights)
+        (h.float() * d_out.float()).sum().backward()
+    return [p.grad for layer in layers for p in layer.parameters()], layers  # layers: alive for the stats
+
+
+def test_default_l_layer_training_recomputes_nothing():
+    """The default gives each layer its own workspace (within the budget): no forward is recomputed."""
+    pt.free_workspaces()
+    default, kept = l_layer_steps(4, 2)
+    stats = pt.workspace_stats()
+    assert len(stats) == 4 and all(not s["shared"] and s["layers"] == 1 for s in stats)
+    assert sum(s["recomputes"] for s in stats) == 0
+    assert sum(s["forwards"] for s in stats) == 8
+    pt.free_workspaces()
+    checkpointed, kept = l_layer_steps(4, 2, share_workspace=True)  # explicit activation checkpointing
+    (stats,) = pt.workspace_stats()
+    assert stats["shared"] and stats["layers"] == 4 and stats["recomputes"] == 2 * 3
+    for a, b in zip(default, checkpointed):  # the recompute is bitwise
+        assert torch.equal(a, b)
+
+
+def test_workspace_budget_shares_past_it():
+    pt.free_workspaces()
+    one = pounce.bytes_required(pounce.Shape(32, H, I, E, K), pounce.Config()).total
+    pt.set_workspace_budget(2 * one)
+    try:
+        with pytest.warns(UserWarning, match="budget"):
+            _, kept = l_layer_steps(4, 1)
+        stats = pt.workspace_stats()
+        assert [(s["shared"], s["layers"]) for s in stats] == [(True, 2), (False, 1), (False, 1)]
+        assert [s["recomputes"] for s in stats] == [1, 0, 0]
+    finally:
+        pt.set_workspace_budget(None)
+        pt.free_workspaces()
+
+
+def test_fused_gate_up_gradient_is_one_tensor():
+    """w_gate_up [E,2I,H] gives the same values as separate halves, and its gradient arrives whole."""
+    inputs, routed, _ = make_inputs([21], seed=14)
+    x, idx, weights, d_out = inputs[0]
+    layer = pt.register_layer(hidden=H, intermediate=I, num_experts=E, num_topk=K, max_tokens=32)
+    for dtype in (torch.bfloat16, torch.float32):
+        gate, up, down = (w.to(dtype).clone().requires_grad_() for w in routed)
+        out = pt.moe(x, idx, weights, gate, up, down, layer=layer)
+        (out.float() * d_out.float()).sum().backward()
+        gate_up = torch.cat((routed[0], routed[1]), dim=1).to(dtype).requires_grad_()
+        down2 = routed[2].to(dtype).clone().requires_grad_()
+        out2 = pt.moe(x, idx, weights, w_down=down2, w_gate_up=gate_up, layer=layer)
+        (out2.float() * d_out.float()).sum().backward()
+        assert torch.equal(out, out2)
+        assert gate_up.grad.dtype == dtype and gate_up.grad.shape == (E, 2 * I, H)
+        assert torch.equal(gate_up.grad, torch.cat((gate.grad, up.grad), dim=1))
+        assert torch.equal(down2.grad, down.grad)
+    # main_grad of the fused weight: the fp32 gradient accumulated in place (twice: two micro-batches)
+    main = torch.zeros(E, 2 * I, H), torch.zeros(E, H, I)
+    for _ in range(2):
+        xx = x.clone().requires_grad_()
+        out3 = pt.moe(xx, idx, weights, w_down=down2, w_gate_up=gate_up, layer=layer,
+                      main_grads=(main[0], None, main[1], None, None, None))
+        (out3.float() * d_out.float()).sum().backward()
+    torch.testing.assert_close(main[0], 2 * gate_up.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(main[1], 2 * down2.grad, rtol=1e-6, atol=1e-6)
+    pt.unregister_layer(layer)
+
+
+def test_frozen_experts_get_no_gradients():
+    inputs, routed, shared_w = make_inputs([19], seed=15, shared=64)
+    x, idx, weights, d_out = inputs[0]
+    state = expert_state_dict(routed, shared_w)
+    trained = pt.MoE(H, I, E, K, max_tokens=32, shared_intermediate=64)
+    frozen = pt.MoE(H, I, E, K, max_tokens=32, shared_intermediate=64)
+    for module in (trained, frozen):
+        module.load_state_dict(state)
+    for p in (frozen.w_gate, frozen.w_up, frozen.w_down):
+        p.requires_grad_(False)
+    results = []
+    for module in (trained, frozen):
+        xx = x.clone().requires_grad_()
+        (module(xx, idx, weights).float() * d_out.float()).sum().backward()
+        results.append(xx.grad)
+    assert torch.equal(results[0], results[1])
+    assert frozen.w_gate.grad is None and frozen.w_up.grad is None and frozen.w_down.grad is None
+    assert torch.equal(frozen.ws_gate.grad, trained.ws_gate.grad)
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    xx = x.clone().requires_grad_()
+    (frozen(xx, idx, weights).float() * d_out.float()).sum().backward()
+    assert torch.equal(xx.grad, results[0]) and frozen.ws_down.grad is not None  # kept from before
+    assert frozen.ws_down.grad.data_ptr() == frozen.ws_down.grad.data_ptr()
+
+
+def test_tokens_per_expert_after_forward():
+    inputs, routed, _ = make_inputs([30], seed=16)
+    x, idx, weights, _ = inputs[0]
+    module = pt.MoE(H, I, E, K, max_tokens=32)
+    assert module.last_tokens_per_expert is None
+    module(x, idx, weights)
+    counts = module.last_tokens_per_expert
+    expected = torch.bincount(idx[idx >= 0].flatten(), minlength=E)
+    assert counts.dtype == torch.int64 and torch.equal(counts, expected)
+    assert int(counts.sum()) == int((idx >= 0).sum())
+
+
+def test_bad_dtypes_and_meta_weights_raise_clear_errors():
+    inputs, routed, _ = make_inputs([8], seed=17)
+    x, idx, weights, _ = inputs[0]
+    module = pt.MoE(H, I, E, K, max_tokens=16)
+    for bad in (x.to(torch.int32), x.to(torch.bool), x.to(torch.complex64)):
+        with pytest.raises(TypeError, match="argument 'x'"):
+            module(bad, idx, weights)
+    with pytest.raises(TypeError, match="argument 'topk_weights'"):
+        module(x, idx, weights.to(torch.int64))
+    layer = pt.register_layer(hidden=H, intermediate=I, num_experts=E, num_topk=K, max_tokens=16)
+    with pytest.raises(TypeError, match="argument 'topk_idx'"):
+        pt.moe(x, idx.float(), weights, *routed, layer=layer)
+    with pytest.raises(TypeError, match="argument 'w_up'"):
+        pt.moe(x, idx, weights, routed[0], routed[1].to(torch.int16), routed[2], layer=layer)
+    pt.unregister_layer(layer)
+    meta = pt.MoE(H, I, E, K, max_tokens=16, device="meta")
+    with pytest.raises(pounce.PounceError, match="'w_gate' is on the meta device"):
+        meta(x, idx, weights)
+    meta.to_empty(device="cpu")
+    meta.load_state_dict(module.state_dict())
+    assert torch.equal(meta(x, idx, weights), module(x, idx, weights))
+
+
+def test_load_state_dict_reads_transformers_layouts():
+    full = pt.MoE(H, I, E, K, max_tokens=8, shared_intermediate=64, init_seed=5)
+    own = full.state_dict()
+    fused = {
+        "experts.gate_up_proj": torch.cat((full.w_gate, full.w_up), dim=1).detach(),
+        "experts.down_proj": full.w_down.detach(),
+    }
+    mixtral = {}
+    for e in range(E):
+        mixtral[f"experts.{e}.w1.weight"] = own[f"experts.{e}.gate_proj.weight"]
+        mixtral[f"experts.{e}.w3.weight"] = own[f"experts.{e}.up_proj.weight"]
+        mixtral[f"experts.{e}.w2.weight"] = own[f"experts.{e}.down_proj.weight"]
+    deepseek_shared = {f"shared_experts.{p}.weight": own[f"shared_expert.{p}.weight"]
+                       for p in ("gate_proj", "up_proj", "down_proj")}
+    groups = pounce.Group.create_cpu(2)
+    for routed_keys in (fused, mixtral):
+        for group, lo in ((None, 0), (groups[1], E // 2)):
+            module = pt.MoE(H, I, E, K, max_tokens=8, shared_intermediate=64, group=group)
+            module.load_state_dict({**routed_keys, **deepseek_shared})  # strict: nothing unexpected
+            assert torch.equal(module.w_gate, full.w_gate[lo:]) and torch.equal(module.w_up, full.w_up[lo:])
+            assert torch.equal(module.w_down, full.w_down[lo:]) and torch.equal(module.ws_down, full.ws_down)
+    with pytest.raises(RuntimeError, match="shared_expert.gate_proj.weight"):
+        pt.MoE(H, I, E, K, max_tokens=8, shared_intermediate=64).load_state_dict(fused)
 
 
 def test_functional_api_and_opcheck():

@@ -46,13 +46,26 @@ class MoE(nn.Module):
     they are added into each parameter's fp32 ``main_grad`` instead (:meth:`init_main_grad` allocates
     them) and ``.grad`` stays None.
 
-    Layers with equal shape, config and group share one workspace (``share_workspace=True``, the
-    default): backward then recomputes the forward context when another layer ran forward in between,
-    as activation checkpointing does. ``share_workspace=False`` trades a workspace per layer for it.
+    Workspaces (see :mod:`pounce.torch`): by default (``share_workspace=None``) each layer has its own
+    while they fit the budget of :func:`pounce.torch.set_workspace_budget`, so backward never
+    recomputes the forward; ``share_workspace=True`` shares one workspace among the layers of equal
+    shape, config and group, and backward then recomputes the forward context when another layer ran
+    forward in between (activation checkpointing of the experts); ``False`` always takes its own.
 
-    ``forward(x [..., H], topk_idx [..., k], topk_weights [..., k])``: x of any float dtype (computed
-    in bf16, returned in x's dtype), topk_idx int32/int64 global expert ids (-1 = unused slot),
-    topk_weights used as given (not normalised).
+    ``forward(x [..., H], topk_idx [..., k], topk_weights [..., k])``: x of a float dtype (computed in
+    bf16, returned in x's dtype; integer, bool and complex x raise ``TypeError``), topk_idx int32/int64
+    global expert ids (-1 = unused slot), topk_weights used as given (not normalised). After each
+    forward, ``last_tokens_per_expert`` holds int64 [E]: how many (token, slot) pairs of this rank's
+    call went to each global expert, on the input's device, computed without a host sync (sum it over
+    the EP group for the global load, e.g. for a load-balancing loss or an expert-bias update).
+
+    Frozen experts: with ``requires_grad=False`` on the routed (or shared) weights, backward returns no
+    gradient for them.
+
+    ``load_state_dict`` reads, besides its own per-expert keys, transformers' layouts: the fused
+    ``experts.gate_up_proj [E,2I,H]`` / ``experts.down_proj [E,H,I]`` of transformers 5, Mixtral's
+    ``experts.{e}.w1/w3/w2.weight`` (gate, up, down) and DeepSeek's ``shared_experts.*_proj.weight``
+    (taking this rank's experts from each).
     """
 
     def __init__(
@@ -67,7 +80,7 @@ class MoE(nn.Module):
         group=None,
         activation: Union[str, pounce.Activation, None] = None,
         config: Optional[pounce.Config] = None,
-        share_workspace: bool = True,
+        share_workspace: Optional[bool] = None,
         accumulate_main_grad: bool = False,
         dtype: torch.dtype = torch.bfloat16,
         device=None,
@@ -114,6 +127,7 @@ class MoE(nn.Module):
             self.register_parameter("ws_gate", None)
             self.register_parameter("ws_up", None)
             self.register_parameter("ws_down", None)
+        self.last_tokens_per_expert: Optional[Tensor] = None
         self.reset_parameters(init_seed)
 
     @property
@@ -154,6 +168,8 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Tensor:
         H, k = self.hidden, self.num_topk
+        _ops.check_float("x", x)
+        _ops.check_float("topk_weights", topk_weights)
         x2 = x.reshape(-1, H)
         if x2.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
@@ -181,6 +197,7 @@ class MoE(nn.Module):
             layer=self.layer,
             main_grads=main_grads,
         )
+        self.last_tokens_per_expert = _ops.tokens_per_expert(idx, self.num_experts)
         return out.view(x.shape).to(x.dtype)
 
     def _weights(self):
@@ -198,6 +215,7 @@ class MoE(nn.Module):
 
     _PROJ = (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
     _SHARED = (("ws_gate", "gate_proj"), ("ws_up", "up_proj"), ("ws_down", "down_proj"))
+    _MIXTRAL = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
 
     def _expert_keys(self, prefix: str):
         for e in range(self.num_local_experts):
@@ -213,9 +231,47 @@ class MoE(nn.Module):
             value = param if e is None else param[e]
             destination[key] = value if keep_vars else value.detach()
 
+    def _translated(self, state_dict, prefix: str) -> dict:
+        """The entries of transformers' layouts under ``prefix``, renamed to this module's per-expert keys
+        (the caller's dict is not changed). Fused tensors give a view per expert of this rank."""
+        out = {}
+        fused_gate_up = state_dict.get(f"{prefix}experts.gate_up_proj")
+        fused_down = state_dict.get(f"{prefix}experts.down_proj")
+        lo, hi = self.first_expert, self.first_expert + self.num_local_experts
+        if fused_gate_up is not None and fused_gate_up.dim() == 3:
+            I = fused_gate_up.shape[1] // 2
+            for e in range(lo, min(hi, fused_gate_up.shape[0])):
+                out[f"{prefix}experts.{e}.gate_proj.weight"] = fused_gate_up[e, :I]
+                out[f"{prefix}experts.{e}.up_proj.weight"] = fused_gate_up[e, I:]
+        if fused_down is not None and fused_down.dim() == 3:
+            for e in range(lo, min(hi, fused_down.shape[0])):
+                out[f"{prefix}experts.{e}.down_proj.weight"] = fused_down[e]
+        for e in range(lo, hi):
+            for legacy, proj in self._MIXTRAL:
+                value = state_dict.get(f"{prefix}experts.{e}.{legacy}.weight")
+                if value is not None:
+                    out[f"{prefix}experts.{e}.{proj}.weight"] = value
+        for _, proj in self._SHARED:
+            value = state_dict.get(f"{prefix}shared_experts.{proj}.weight")
+            if value is not None:
+                out[f"{prefix}shared_expert.{proj}.weight"] = value
+        return out
+
+    def _is_known_layout_key(self, rest: str) -> bool:
+        if rest in ("experts.gate_up_proj", "experts.down_proj"):
+            return True
+        parts = rest.split(".")
+        if parts[0] == "shared_experts" and len(parts) == 3 and parts[2] == "weight":
+            return self.ws_gate is not None and parts[1] in ("gate_proj", "up_proj", "down_proj")
+        return len(parts) == 4 and parts[0] == "experts" and parts[1].isdigit() and parts[2] in ("w1", "w2", "w3") \
+            and 0 <= int(parts[1]) < self.num_experts and parts[3] == "weight"
+
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
+        translated = self._translated(state_dict, prefix)
+        if translated:
+            state_dict = {**state_dict, **translated}
         expected = set()
         with torch.no_grad():
             for key, name, e in self._expert_keys(prefix):
@@ -240,6 +296,8 @@ class MoE(nn.Module):
                 rest = key[len(prefix):]
                 if rest.startswith("experts.") and self._is_other_ranks_expert(rest):
                     continue  # a full checkpoint holds every rank's experts
+                if self._is_known_layout_key(rest):
+                    continue  # read through _translated
                 unexpected_keys.append(key)
 
     def _is_other_ranks_expert(self, rest: str) -> bool:

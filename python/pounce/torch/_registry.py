@@ -1,19 +1,28 @@
 """Layers, EP groups and workspaces on the host side of the custom ops.
 
 A *layer* is an int handle (it is what the custom ops take, so torch.compile bakes a constant into the
-graph) naming a shape, a config, an EP group and whether the layer shares its workspace. The group and
-the workspace are resolved when the layer first runs, on the device of its input.
+graph) naming a shape, a config, an EP group and how the layer gets its workspace. The group and the
+workspace are resolved when the layer first runs, on the device of its input.
 
-Workspaces are cached per (group, shape, config) and shared by every layer that asks for the same
-triple: one workspace holds every buffer of the worst case (gigabytes at model sizes), so one per
-layer would not fit. The workspace also holds the forward context that backward reads, so each
-:class:`Slot` remembers which forward call its context belongs to (the *ticket*, see ``_ops.py``), and
-backward rebuilds the context with ``recompute_forward_context`` when another forward ran in between.
+A workspace holds every buffer of the worst case and the forward context that backward reads (2.4 GiB
+for Qwen3-30B-A3B's layer at 8192 tokens). Each :class:`Slot` remembers which forward call its context
+belongs to (the *ticket*, see ``_ops.py``), and backward rebuilds the context with
+``recompute_forward_context`` when another forward ran in between. Hence the choice per layer:
+
+- a workspace of its own (``share_workspace=False``): backward never recomputes; costs one workspace
+  (``pounce.bytes_required``) per layer;
+- one workspace shared by the layers of equal (group, shape, config) (``share_workspace=True``, i.e.
+  activation checkpointing of the experts): one workspace in all; each layer but the last recomputes its
+  forward before its backward (about a third of the layer's forward+backward time);
+- ``share_workspace=None`` (the default): a workspace of its own while the private workspaces on that
+  device total at most the budget (:func:`set_workspace_budget`; default a fifth of the GPU's memory,
+  no limit on the CPU), shared past it (with a one-time warning).
 """
 from __future__ import annotations
 
 import enum
 import itertools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -47,14 +56,17 @@ def copy_config(config: pounce.Config) -> pounce.Config:
 class Slot:
     """One pounce.Workspace and the ticket (data_ptr) of the forward whose context it holds."""
 
-    __slots__ = ("workspace", "group", "resident", "forwards", "recomputes")
+    __slots__ = ("workspace", "group", "resident", "forwards", "recomputes", "shared", "bytes", "device")
 
-    def __init__(self, workspace: pounce.Workspace, group: pounce.Group):
+    def __init__(self, workspace: pounce.Workspace, group: pounce.Group, *, shared: bool, nbytes: int, device):
         self.workspace = workspace
         self.group = group  # keeps id(group) in the cache key unique
         self.resident = None
         self.forwards = 0
         self.recomputes = 0
+        self.shared = shared
+        self.bytes = nbytes
+        self.device = device
 
 
 @dataclass
@@ -67,7 +79,7 @@ class Layer:
     shared_intermediate: int
     config: pounce.Config
     group: object  # None, a pounce.Group or a torch.distributed ProcessGroup
-    share_workspace: bool
+    share_workspace: bool | None  # None: private within the budget, else shared
     slot: Slot | None = None
 
     def shape(self, num_ranks: int) -> pounce.Shape:
@@ -77,7 +89,10 @@ class Layer:
         if self.slot is None:
             group = resolve_group(self.group, device)
             shape = self.shape(group.num_ranks)
-            self.slot = workspace_slot(group, shape, self.config, share=self.share_workspace, device=device)
+            share = self.share_workspace
+            if share is None:
+                share = not _fits_budget(shape, self.config, device)
+            self.slot = workspace_slot(group, shape, self.config, share=share, device=device)
         return self.slot
 
 
@@ -97,14 +112,16 @@ def register_layer(
     shared_intermediate: int = 0,
     config: pounce.Config | None = None,
     group=None,
-    share_workspace: bool = True,
+    share_workspace: bool | None = None,
 ) -> int:
     """A layer handle for :func:`pounce.torch.moe`. Checks the shape now; allocates on first use.
 
     ``group``: a :class:`pounce.Group`, a ``torch.distributed`` process group (its ranks form the EP
     group), or ``None`` (the default process group when one is initialised, else a single rank).
-    ``share_workspace=False`` gives the layer a workspace of its own (no recompute before backward,
-    at the memory of a whole workspace).
+    ``share_workspace``: False gives the layer a workspace of its own (no recompute before backward, at
+    the memory of a whole workspace), True shares one per (group, shape, config) (backward recomputes
+    the forward when another layer ran in between: activation checkpointing), None (default) is private
+    within the budget of :func:`set_workspace_budget`, shared past it.
     """
     config = config if config is not None else pounce.Config()
     layer_ = Layer(
@@ -143,32 +160,94 @@ def _shape_key(shape: pounce.Shape) -> tuple:
     return tuple(getattr(shape, name) for name in _SHAPE_FIELDS)
 
 
+# Bytes of private workspaces a device may hold under share_workspace=None; None = the default.
+_budget: dict[str, int | None] = {"bytes": None}
+_warned_budget = set()
+
+
+def set_workspace_budget(nbytes: int | None) -> None:
+    """Bytes of private (per-layer) workspaces each device may hold for layers with
+    ``share_workspace=None``; None restores the default (a fifth of the GPU's memory; no limit on the
+    CPU). Takes effect for layers that have not run yet (and after :func:`free_workspaces`)."""
+    if nbytes is not None and nbytes < 0:
+        raise pounce.PounceError(f"pounce: workspace budget {nbytes} is negative; pass bytes >= 0 or None")
+    _budget["bytes"] = nbytes
+
+
+def _default_budget(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory // 5
+
+
+def _fits_budget(shape: pounce.Shape, config: pounce.Config, device: torch.device) -> bool:
+    budget = _budget["bytes"] if _budget["bytes"] is not None else _default_budget(device)
+    if budget is None:
+        return True
+    held = sum(slot.bytes for slot in _private_slots() if slot.device == device)
+    need = pounce.bytes_required(shape, config).total
+    if held + need <= budget:
+        return True
+    if device not in _warned_budget:
+        _warned_budget.add(device)
+        warnings.warn(
+            f"pounce: per-layer workspaces on {device} would exceed the budget of {budget / 2**30:.1f} GiB; "
+            f"the layers past it share one workspace and recompute their forward before backward "
+            f"(pounce.torch.set_workspace_budget raises it)",
+            stacklevel=3,
+        )
+    return False
+
+
+def _private_slots() -> list[Slot]:
+    seen, slots = set(), []
+    for layer_ in _layers.values():
+        slot = layer_.slot
+        if slot is not None and not slot.shared and id(slot) not in seen:
+            seen.add(id(slot))
+            slots.append(slot)
+    return slots
+
+
 def workspace_slot(group, shape, config, *, share: bool = True, device=None) -> Slot:
     """The cached workspace for (group, shape, config); a fresh one when ``share`` is False."""
     key = (id(group), _shape_key(shape), _config_key(config))
     if share and key in _slots:
         return _slots[key]
+    nbytes = pounce.bytes_required(shape, config).total
     with _device_scope(device):
-        slot = Slot(pounce.Workspace(group, shape, config), group)
+        slot = Slot(pounce.Workspace(group, shape, config), group, shared=share, nbytes=nbytes, device=device)
     if share:
         _slots[key] = slot
     return slot
 
 
 def free_workspaces() -> None:
-    """Frees every cached workspace now (collective on GPUs: call it on every rank, e.g. before
-    ``dist.destroy_process_group()``). Layers allocate again on their next call."""
+    """Frees every workspace now, shared and per layer (collective on GPUs: call it on every rank, e.g.
+    before ``dist.destroy_process_group()``). Layers allocate again on their next call."""
     for layer_ in _layers.values():
         layer_.slot = None
     _slots.clear()
+    _warned_budget.clear()
+    from . import _ops
+
+    _ops.free_scratch()
 
 
 def workspace_stats() -> list[dict]:
-    """Per cached workspace: shape, forwards run and context recomputes done (for tests and tuning)."""
-    return [
-        {"shape": key[1], "forwards": slot.forwards, "recomputes": slot.recomputes}
-        for key, slot in _slots.items()
-    ]
+    """Per workspace in use: shape, whether layers share it, its bytes, the layers on it, forwards run
+    and context recomputes done (for tests and tuning). Shared ones first."""
+    users: dict[int, int] = {}
+    for layer_ in _layers.values():
+        if layer_.slot is not None:
+            users[id(layer_.slot)] = users.get(id(layer_.slot), 0) + 1
+    stats = []
+    for slot in list(_slots.values()) + _private_slots():
+        stats.append({
+            "shape": _shape_key(slot.workspace.shape), "shared": slot.shared, "bytes": slot.bytes,
+            "layers": users.get(id(slot), 0), "forwards": slot.forwards, "recomputes": slot.recomputes,
+        })
+    return stats
 
 
 # ---------------------------------------------------------------------------------------------------
