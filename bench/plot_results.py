@@ -226,7 +226,7 @@ def main(argv=None):
     kind = args.kind
     if kind == "auto":
         kind = "lines" if any(len(rs) > 1 for rs in series.values()) else "bars"
-    fig, ax = plt.subplots(figsize=(13, 6) if kind == "lines" else (max(8, 1.3 * len(series)), 6))
+    fig, ax = plt.subplots(figsize=(13, 6) if kind == "lines" else (max(8, 0.5 * len(series) + 3), 6))
     if kind == "lines":
         plot_lines(ax, series)
     else:
