@@ -33,6 +33,16 @@ if [ -x "$venv/bin/python" ]; then
   else
     echo "setup: nanobind, numpy or pytest could not be installed: the Python module is skipped" >&2
   fi
+  # torch and transformers for the torch layer's CPU tests and the transformers backend's tests. PyPI has
+  # no CPU-only torch wheel for Linux: its torch pulls the CUDA libraries (about 3 GB down, 5 GB installed,
+  # about a minute here), which the CPU tests load but never use. POUNCE_SETUP_TORCH=0 skips them (those
+  # tests then report themselves skipped).
+  if [ "${POUNCE_SETUP_TORCH:-1}" != 0 ] && [ ${#python_args[@]} -gt 0 ] &&
+    ! "$venv/bin/python" -c "import torch, transformers.integrations.moe" 2>/dev/null; then
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --retries 2 --timeout 60 \
+      torch "transformers>=5" ||
+      echo "setup: torch or transformers could not be installed: the torch and transformers tests skip" >&2
+  fi
 fi
 
 export PATH="$PATH:/usr/local/cuda/bin"
