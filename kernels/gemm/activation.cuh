@@ -3,7 +3,16 @@
 // the staged GEMM epilogue and the fused kernel, so both round identically.
 #pragma once
 
+#include <cmath>
+
 #include "kernels/gemm/gemm_types.h"
+
+// Host and device: the CPU tests evaluate these very functions against the reference.
+#if defined(__CUDACC__)
+#define POUNCE_HOST_DEVICE __host__ __device__
+#else
+#define POUNCE_HOST_DEVICE
+#endif
 
 namespace pounce::kernels::gemm {
 
@@ -12,7 +21,7 @@ namespace pounce::kernels::gemm {
 // denormal below 1e-38): far below bf16 resolution, and shared by the staged and fused kernels, which stay
 // bitwise equal. The epilogues evaluate it with the tensor cores idle, and the exact forms cost about twice
 // the instructions. The host keeps the exact forms.
-__host__ __device__ inline float sigmoid(float x) {
+POUNCE_HOST_DEVICE inline float sigmoid(float x) {
 #ifdef __CUDA_ARCH__
   // __expf(-x) is ex2.approx((-x) log2(e)) with two extra steps that keep a denormal result (input below
   // -126); 1 + such a result is 1 either way, so the flushing form gives the same sigmoid in three fewer
@@ -26,7 +35,7 @@ __host__ __device__ inline float sigmoid(float x) {
 }
 
 // SwiGLU: silu(g') * u'. GPT-OSS: (u' + 1) * g' * sigmoid(alpha * g'). g' = min(g, L), u' = clamp(u, -L, L).
-__host__ __device__ inline float apply_activation(float g, float u, const ActivationParams& p) {
+POUNCE_HOST_DEVICE inline float apply_activation(float g, float u, const ActivationParams& p) {
   g = fminf(g, p.clamp_limit);
   u = fmaxf(fminf(u, p.clamp_limit), -p.clamp_limit);
   const float alpha = p.kind == kActivationGptOss ? p.alpha : 1.0f;
@@ -35,9 +44,10 @@ __host__ __device__ inline float apply_activation(float g, float u, const Activa
 }
 
 // d_g = d_a * u'' * d(g' sigmoid(alpha g'))/dg, d_u = d_a * g' sigmoid(alpha g'), where u'' = u' (SwiGLU) or
-// u' + 1 (GPT-OSS). An active clamp passes no gradient (g > L, |u| > L); at the kink itself it passes it.
-__host__ __device__ inline void apply_activation_backward(float g, float u, float d_a,
-                                                          const ActivationParams& p, float& d_g, float& d_u) {
+// u' + 1 (GPT-OSS). An active clamp passes no gradient (g > L, |u| > L); at the limit itself it passes it, as
+// torch.clamp's backward does (where(min <= x <= max, grad, 0): the subgradient 1 at the boundaries).
+POUNCE_HOST_DEVICE inline void apply_activation_backward(float g, float u, float d_a,
+                                                         const ActivationParams& p, float& d_g, float& d_u) {
   const bool g_passes = !(g > p.clamp_limit), u_passes = !(fabsf(u) > p.clamp_limit);
   g = fminf(g, p.clamp_limit);
   u = fmaxf(fminf(u, p.clamp_limit), -p.clamp_limit);
