@@ -109,7 +109,8 @@ def block(records: list, source: str, peer_records: list = (), peer_source: str 
     lines = [BEGIN,
              f"<!-- written by `{COMMAND}` from {source}; not edited by hand -->",
              "",
-             "| preset | pass | median ms | TFLOP/s per GPU | vs PyTorch, same run |" + (" of the floor |" if floor else ""),
+             "| preset | pass | median ms | TFLOP/s per GPU | vs PyTorch, same run |"
+             + (" of the floor |" if floor else ""),
              "|---|---|---|---|---|" + ("---|" if floor else "")]
     for r in rows:
         lines.append(f"| {r['preset']} | {PASSES[r['pass']]} | {milliseconds(r['median_ms'])} | "

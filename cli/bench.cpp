@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "pounce/error.h"
@@ -280,30 +281,57 @@ json make_record(const RecordContext& context, const Measurement& m) {
   return record;
 }
 
+namespace {
+
+using ConfigKey = std::tuple<std::string, std::string, int64_t, int64_t>;  // preset, pass, ranks, tokens
+
+ConfigKey config_key(const json& record) {
+  return ConfigKey{record.value("preset", ""), record.value("pass", ""), record.value("ranks", int64_t{0}),
+                   record.value("tokens_per_rank", int64_t{0})};
+}
+
+double ms_of(const json& record, const char* field) {
+  const auto found = record.find(field);
+  return found != record.end() && found->is_number() ? found->get<double>() : 0.0;
+}
+
+}  // namespace
+
 void apply_speedups(json& records) {
-  using Key = std::tuple<std::string, std::string, int64_t, int64_t>;  // preset, pass, ranks, tokens
-  auto key = [](const json& record) {
-    return Key{record.value("preset", ""), record.value("pass", ""), record.value("ranks", int64_t{0}),
-               record.value("tokens_per_rank", int64_t{0})};
-  };
-  auto ms_of = [](const json& record, const char* field) {
-    const auto found = record.find(field);
-    return found != record.end() && found->is_number() ? found->get<double>() : 0.0;
-  };
-  // The median of all timed runs, and of their later half (both sides' runs in the same regime of the
-  // power limiter; a baseline record without it leaves the late speedup null).
-  for (const auto& [field, speedup] : {std::pair{"median_ms", "speedup_vs_baseline"},
-                                       std::pair{"late_median_ms", "late_speedup_vs_baseline"}}) {
-    std::map<Key, double> baseline_ms;
-    for (const json& record : records)
-      if (record.value("impl", "") == "baseline" && ms_of(record, field) > 0)
-        baseline_ms[key(record)] = ms_of(record, field);
-    for (json& record : records) {
-      const auto found = baseline_ms.find(key(record));
-      const double own = ms_of(record, field);
-      record[speedup] = found != baseline_ms.end() && own > 0 ? json(found->second / own) : json(nullptr);
-    }
+  // impl -> its time, per configuration; the median of all timed runs, and of their later half (both sides'
+  // runs in the same regime of the power limiter; a baseline record without it leaves the late speedup null)
+  std::map<ConfigKey, std::map<std::string, double>> median_ms, late_ms;
+  for (const json& record : records) {
+    const std::string impl = record.value("impl", "");
+    if (ms_of(record, "median_ms") > 0) median_ms[config_key(record)][impl] = ms_of(record, "median_ms");
+    if (ms_of(record, "late_median_ms") > 0)
+      late_ms[config_key(record)][impl] = ms_of(record, "late_median_ms");
   }
+  auto ratio = [](const std::map<ConfigKey, std::map<std::string, double>>& times, const ConfigKey& key,
+                  const std::string& other, double own) {
+    const auto config = times.find(key);
+    if (config == times.end() || own <= 0) return json(nullptr);
+    const auto found = config->second.find(other);
+    return found != config->second.end() ? json(found->second / own) : json(nullptr);
+  };
+  for (json& record : records) {
+    const ConfigKey key = config_key(record);
+    const double own = ms_of(record, "median_ms");
+    record["speedup_vs_baseline"] = ratio(median_ms, key, "baseline", own);
+    record["late_speedup_vs_baseline"] = ratio(late_ms, key, "baseline", ms_of(record, "late_median_ms"));
+    record["floor_fraction"] = ratio(median_ms, key, "floor", own);
+    if (is_peer_impl(record.value("impl", ""))) continue;
+    json versus = json::object();
+    const auto config = median_ms.find(key);
+    if (config != median_ms.end() && own > 0)
+      for (const auto& [impl, ms] : config->second)
+        if (is_peer_impl(impl) && impl != "floor") versus[impl] = ms / own;
+    record["speedup_vs"] = versus;
+  }
+}
+
+bool is_recordable(const json& record) {
+  return is_measured(record) || record.value("unsupported", false);
 }
 
 // ---- where the records go ------------------------------------------------------------------------------
@@ -339,7 +367,7 @@ json merge_records(const json& recorded, const json& run) {
   std::map<RecordKey, json> latest;
   for (const json& record : recorded) latest[record_key(record)] = record;
   for (const json& record : run)
-    if (is_measured(record)) latest[record_key(record)] = record;
+    if (is_recordable(record)) latest[record_key(record)] = record;
   auto pass_rank = [](const std::string& pass) {
     for (BenchPass p : {BenchPass::kForward, BenchPass::kBackward, BenchPass::kForwardBackward})
       if (pass == to_string(p)) return static_cast<int>(p);
@@ -359,7 +387,7 @@ json merge_records(const json& recorded, const json& run) {
 std::vector<std::string> record_results(const std::string& dir, const json& run) {
   std::map<std::string, json> by_file;  // file name -> the run's records that go there
   for (const json& record : run) {
-    if (!is_measured(record)) continue;
+    if (!is_recordable(record)) continue;
     const RecordKey key = record_key(record);
     json& records = by_file[results_file_name(key.ranks, key.precision)];
     if (records.is_null()) records = json::array();
@@ -385,19 +413,112 @@ std::vector<std::string> record_results(const std::string& dir, const json& run)
   return written;
 }
 
+// ---- peers ---------------------------------------------------------------------------------------------
+
+std::vector<std::string> parse_peers(const std::vector<std::string>& names) {
+  std::set<std::string> wanted;
+  for (const std::string& name : names) {
+    if (name == "all") {
+      wanted.insert(std::begin(kPeers), std::end(kPeers));
+    } else if (name != "none") {
+      POUNCE_CHECK(std::find(std::begin(kPeers), std::end(kPeers), name) != std::end(kPeers), "--peers ",
+                   name, " is unknown; choose liger, transformers, floor, all or none");
+      wanted.insert(name);
+    }
+  }
+  std::vector<std::string> out;
+  for (const char* peer : kPeers)
+    if (wanted.count(peer) > 0) out.push_back(peer);
+  return out;
+}
+
+bool is_peer_impl(const std::string& impl) {
+  return impl == "baseline" || std::find(std::begin(kPeers), std::end(kPeers), impl) != std::end(kPeers);
+}
+
+void add_baseline_telemetry(json& records, const std::vector<TelemetrySample>& samples,
+                            const TelemetrySummary& whole_run) {
+  for (json& record : records) {
+    if (!is_measured(record)) continue;
+    const json window = record.value("timed_window_unix_s", json());
+    TelemetrySummary within;
+    if (window.is_array() && window.size() == 2 && window[0].is_number() && window[1].is_number())
+      within = summarize_window(samples, window[0].get<double>(), window[1].get<double>());
+    if (within.samples > 0) {
+      add_telemetry(record, within);
+      record["telemetry_scope"] = "the readings within this pass's timed runs";
+    } else {
+      add_telemetry(record, whole_run);
+      record["telemetry_scope"] = "the baseline run's readings at >= half its highest power";
+    }
+  }
+}
+
+namespace {
+
+std::string cell(const json& record, const char* key, const char* pattern, double scale = 1.0) {
+  const auto found = record.find(key);
+  return found != record.end() && found->is_number() ? format(pattern, found->get<double>() * scale) : "-";
+}
+
+}  // namespace
+
+std::string side_by_side(const json& records) {
+  std::vector<ConfigKey> order;
+  std::map<ConfigKey, std::vector<const json*>> by_config;
+  bool any_peer = false;
+  for (const json& record : records) {
+    const ConfigKey key = config_key(record);
+    if (by_config.find(key) == by_config.end()) order.push_back(key);
+    by_config[key].push_back(&record);
+    const std::string impl = record.value("impl", "");
+    any_peer |= is_peer_impl(impl) && impl != "baseline";
+  }
+  if (!any_peer) return "";
+  std::string out =
+      "side by side (x: the first Pounce impl's speed-up over the row, same run; floor: the compute-only "
+      "floor's time / the row's):\n";
+  for (const ConfigKey& key : order) {
+    const std::vector<const json*>& group = by_config[key];
+    const json* pounce = nullptr;
+    for (const json* r : group)
+      if (!is_peer_impl(r->value("impl", "")) && is_measured(*r)) {
+        pounce = r;
+        break;
+      }
+    const auto& [preset, pass, ranks, tokens] = key;
+    out += format("%s, EP%lld, %lld tokens/rank, %s\n", preset.c_str(), static_cast<long long>(ranks),
+                  static_cast<long long>(tokens), pass.c_str());
+    out += format("  %-13s %10s %9s %8s %7s %6s %5s  %s\n", "impl", "median ms", "TFLOP/s", "x", "floor",
+                  "SM MHz", "W/GPU", "version");
+    std::string not_run;
+    for (const json* r : group) {
+      const std::string impl = r->value("impl", "");
+      if (!is_measured(*r)) {
+        not_run += format("  %s did not run%s: %s\n", impl.c_str(),
+                          r->value("unsupported", false) ? " (cannot)" : "", r->value("error", "").c_str());
+        continue;
+      }
+      std::string versus = "-";
+      if (pounce != nullptr && ms_of(*pounce, "median_ms") > 0)
+        versus = format("%.2fx", ms_of(*r, "median_ms") / ms_of(*pounce, "median_ms"));
+      out += format("  %-13s %10s %9s %8s %7s %6s %5s  %s\n", impl.c_str(),
+                    cell(*r, "median_ms", "%.3f").c_str(), cell(*r, "tflops", "%.1f").c_str(), versus.c_str(),
+                    cell(*r, "floor_fraction", "%.0f%%", 100.0).c_str(),
+                    cell(*r, "sm_clock_mhz", "%.0f").c_str(), cell(*r, "power_w", "%.0f").c_str(),
+                    r->value("peer_version", "").c_str());
+    }
+    out += not_run;
+  }
+  return out;
+}
+
 // ---- the baseline --------------------------------------------------------------------------------------
 
 std::vector<BenchPass> baseline_passes(const std::vector<BenchPass>& passes) {
   std::vector<BenchPass> out;
   for (BenchPass pass : passes)
     if (pass != BenchPass::kBackward) out.push_back(pass);
-  return out;
-}
-
-std::vector<std::string> baseline_presets(const std::vector<std::string>& presets) {
-  std::vector<std::string> out;
-  for (const std::string& preset : presets)
-    if (preset.rfind("custom:", 0) != 0) out.push_back(preset);
   return out;
 }
 
@@ -408,7 +529,9 @@ std::string baseline_command(const BaselineRun& run) {
   return shell_quote(run.torchrun) + " --standalone --nproc-per-node=" + std::to_string(run.ranks) + " " +
          shell_quote(run.script) + " --preset " + shell_quote(join(run.presets)) + " --tokens " +
          join(tokens) + " --passes " + join(passes) + " --warmup " + std::to_string(run.warmup) +
-         " --iters " + std::to_string(run.iters) + " --sets 0 --json " + shell_quote(run.json_path);
+         " --iters " + std::to_string(run.iters) + " --sets 0" +
+         (run.peers.empty() ? std::string() : " --peers " + join(run.peers)) + " --json " +
+         shell_quote(run.json_path);
 }
 
 std::string shell_quote(const std::string& text) {

@@ -18,6 +18,7 @@
 #include "cli/inputs.h"
 #include "cli/progress.h"
 #include "cli/runner.h"
+#include "cli/telemetry.h"
 
 namespace pounce::cli {
 
@@ -111,10 +112,20 @@ struct RecordContext {
 // speedup_vs_baseline null until apply_speedups, and the shape, timing method and crossing bandwidth.
 nlohmann::json make_record(const RecordContext& context, const Measurement& measurement);
 
-// speedup_vs_baseline of each measured record = the baseline's median_ms / its own, for the baseline record
-// of the same preset, pass, ranks and tokens per rank; 1 for baseline records; null without a match.
-// late_speedup_vs_baseline likewise from late_median_ms, the median of the later half of the timed runs.
+// Same-run ratios between the records of one configuration (the same preset, pass, ranks and tokens per
+// rank), each a time ratio, so > 1 means faster than the other:
+//   speedup_vs_baseline       the baseline's median_ms / its own; 1 for baseline records; null without one.
+//   late_speedup_vs_baseline  likewise from late_median_ms, the median of the later half of the timed runs.
+//   speedup_vs                Pounce's records only: {peer: the peer's median_ms / its own} for every
+//   measured
+//                             peer record but the floor's (baseline, liger, transformers); {} without any.
+//   floor_fraction            every measured record: the compute-only floor's median_ms / its own (the
+//                             fraction of the floor's speed it reaches; 1 for the floor); null without one.
 void apply_speedups(nlohmann::json& records);
+
+// A record that goes into a results folder: a measured one, or one whose peer cannot run the configuration
+// by its design ("unsupported": true, with its "error"), which stays true until the peer changes.
+bool is_recordable(const nlohmann::json& record);
 
 // ---- where the records go ------------------------------------------------------------------------------
 
@@ -144,13 +155,39 @@ std::string results_file_name(int64_t ranks, const std::string& precision);
 
 // `recorded` with each record of `run` in place of the record of its configuration, the others kept; the
 // last of `run` wins where it repeats one. Sorted by preset, tokens per rank, pass (forward, backward,
-// forward_backward), impl, so that a file's diff shows only what was measured again. Records that were
-// not measured (median_ms not a number) are not taken from `run`: they would replace a measurement by none.
+// forward_backward), impl, so that a file's diff shows only what was measured again. Records that are not
+// recordable (not measured, and not a peer's "unsupported") are not taken from `run`: they would replace a
+// measurement by none.
 nlohmann::json merge_records(const nlohmann::json& recorded, const nlohmann::json& run);
 
 // Merges `run`'s measured records into `dir`'s results files (one per ranks x precision, created when
 // missing) and returns the files written. Throws pounce::Error when a file there is not a JSON list.
 std::vector<std::string> record_results(const std::string& dir, const nlohmann::json& run);
+
+// ---- peers ---------------------------------------------------------------------------------------------
+// The public implementations measured beside the baseline, in its process, on its inputs and routing
+// (bench/baselines/peers.py): Liger's fused MoE, transformers' grouped_mm experts, the compute-only floor.
+
+inline constexpr const char* kPeers[] = {"liger", "transformers", "floor"};
+
+// `names` hold liger, transformers, floor, all or none; the result is in kPeers' order without repeats
+// (empty for none or no names). Throws pounce::Error naming the known peers on any other name.
+std::vector<std::string> parse_peers(const std::vector<std::string>& names);
+
+// The impls that are not Pounce: baseline and the peers.
+bool is_peer_impl(const std::string& impl);
+
+// The telemetry of the baseline process's records: a record that names its timed window
+// (timed_window_unix_s: [begin, end], Unix seconds) gets the readings within it; one without, or whose
+// window holds none, gets `whole_run` (the process's busy readings). Records not measured get none.
+// telemetry_scope says which.
+void add_baseline_telemetry(nlohmann::json& records, const std::vector<TelemetrySample>& samples,
+                            const TelemetrySummary& whole_run);
+
+// Per configuration that has a peer besides the baseline, the records side by side: each impl's time,
+// TFLOP/s, the first Pounce impl's speed-up over it, its fraction of the floor, SM clock and power, then the
+// peers that did not run and why. "" when no record is a peer's but the baseline's.
+std::string side_by_side(const nlohmann::json& records);
 
 // ---- the baseline (bench/baselines/torch_moe.py under torchrun) ----------------------------------------
 
@@ -158,9 +195,10 @@ struct BaselineRun {
   std::string torchrun;  // executable path
   std::string script;
   int ranks = 1;
-  std::vector<std::string> presets;
+  std::vector<std::string> presets;  // preset names or custom:H:I:E:k[:Is] specs, as bench_preset takes them
   std::vector<int64_t> tokens;
   std::vector<BenchPass> passes;
+  std::vector<std::string> peers;  // parse_peers' result; measured after the baseline, same inputs
   int warmup = 0;
   int iters = 1;
   std::string json_path;  // where the script writes its records
@@ -168,9 +206,8 @@ struct BaselineRun {
 
 // The passes of `passes` that the baseline measures (forward, forward_backward).
 std::vector<BenchPass> baseline_passes(const std::vector<BenchPass>& passes);
-// The presets the baseline knows (custom specs are left out).
-std::vector<std::string> baseline_presets(const std::vector<std::string>& presets);
-// The shell command line; --sets 0 lets the script rotate enough input sets by the rule above.
+// The shell command line; --sets 0 lets the script rotate enough input sets by the rule above. Every preset
+// goes through: the script reads custom:H:I:E:k[:Is] specs as bench_preset does (SwiGLU, no clamp).
 std::string baseline_command(const BaselineRun& run);
 
 std::string shell_quote(const std::string& text);

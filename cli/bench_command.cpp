@@ -1,9 +1,10 @@
 // `pounce bench`: presets x tokens per rank x impls on every visible GPU, timed through the public API by
 // the method of docs/design.md §7 (cli/bench.h), with the PyTorch baseline (bench/baselines/torch_moe.py
-// under torchrun) measured in the same run on the same GPUs, after ours so the two never share them.
-// Writes a list of records with the keys of docs/design.md §7 to $TMPDIR/<name>.json or --out FILE; with
-// --out DIR/ (bench/results/ for the repository's record) merges them into DIR's results files instead,
-// the latest record per configuration (cli/bench.h).
+// under torchrun) and the --peers (Liger's fused MoE, transformers' grouped_mm experts, the compute-only
+// floor: bench/baselines/peers.py, in the baseline's process, on its inputs) measured in the same run on the
+// same GPUs, after ours so they never share them. Writes a list of records with the keys of docs/design.md
+// §7 to $TMPDIR/<name>.json or --out FILE; with --out DIR/ (bench/results/ for the repository's record)
+// merges them into DIR's results files instead, the latest record per configuration (cli/bench.h).
 #include <unistd.h>
 
 #include <cstdlib>
@@ -63,10 +64,14 @@ void set_default_environment(const std::string& commit) {
   setenv("NVSHMEM_DISABLE_NVLS", "1", 0);
   setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 0);
   setenv("POUNCE_COMMIT", commit.c_str(), 0);
+  // Liger's Triton kernels autotune on their first call: cached on disk, it is paid once per shape, not per
+  // run (and never in a timed run: the peers warm up first).
+  setenv("TRITON_CACHE_AUTOTUNING", "1", 0);
 }
 
-// Runs the baseline once for every preset, token count and pass; returns its records (none on failure, with
-// a warning on stderr).
+// Runs the baseline (and the peers after it) once for every preset, token count and pass; returns its
+// records. The script writes them after every configuration, so a process that fails part way still gives
+// what it measured (with a warning on stderr).
 json run_baseline(BaselineRun run) {
   char path[] = "/tmp/pounce_baseline_XXXXXX";
   const int fd = mkstemp(path);
@@ -77,25 +82,23 @@ json run_baseline(BaselineRun run) {
   std::cerr << "baseline: " << command << "\n" << std::flush;
   const int status = std::system(command.c_str());
   json records = json::array();
-  if (status != 0) {
-    std::cerr << "warning: the baseline failed (exit status " << status << "); records have no speedup\n";
-  } else {
-    try {
-      std::ifstream file(path);
-      records = json::parse(file);
-      if (!records.is_array()) records = json::array();
-    } catch (const std::exception& error) {
-      std::cerr << "warning: cannot read the baseline's records from " << path << ": " << error.what()
-                << "\n";
-    }
+  if (status != 0)
+    std::cerr << "warning: the baseline's process failed (exit status " << status
+              << "); keeping the records it wrote before\n";
+  try {
+    std::ifstream file(path);
+    if (file.peek() != std::ifstream::traits_type::eof()) records = json::parse(file);
+    if (!records.is_array()) records = json::array();
+  } catch (const std::exception& error) {
+    std::cerr << "warning: cannot read the baseline's records from " << path << ": " << error.what() << "\n";
   }
   std::filesystem::remove(path);
   return records;
 }
 
-// The PNG chart beside the JSON (bench/plot_results.py: throughput against tokens per rank, Pounce and the
-// baseline). Best effort: a machine without matplotlib still gets its JSON, and a line saying how to chart
-// it.
+// The PNG chart beside the JSON (bench/plot_results.py: throughput against tokens per rank, or bars at one
+// token count, Pounce, the baseline and the peers). Best effort: a machine without matplotlib still gets its
+// JSON, and a line saying how to chart it.
 void write_chart(const BenchOptions& options, const std::string& json_path) {
   if (options.plot_script.empty()) return;
   const std::string png_path = std::filesystem::path(json_path).replace_extension(".png").string();
@@ -121,12 +124,12 @@ std::string number(const json& record, const char* key, const char* pattern) {
 void print_table(std::ostream& out, const json& records) {
   int preset_width = 14;
   for (const json& r : records) preset_width = std::max<int>(preset_width, r.value("preset", "").size());
-  out << format("%-9s %-17s %-*s %5s %6s %5s %10s %9s %8s %8s %7s %6s %5s\n", "impl", "pass", preset_width,
-                "preset", "ranks", "T/rank", "sets", "median ms", "TFLOP/s", "speedup", "late ms", "late x",
-                "SM MHz", "W/GPU");
+  out << format("%-12s %-17s %-*s %5s %6s %5s %10s %9s %8s %8s %7s %6s %6s %5s\n", "impl", "pass",
+                preset_width, "preset", "ranks", "T/rank", "sets", "median ms", "TFLOP/s", "speedup",
+                "late ms", "late x", "floor", "SM MHz", "W/GPU");
   std::map<std::string, int> errors;  // error -> records it stopped
   for (const json& r : records) {
-    out << format("%-9s %-17s %-*s %5lld %6lld %5s %10s %9s %8s %8s %7s %6s %5s\n",
+    out << format("%-12s %-17s %-*s %5lld %6lld %5s %10s %9s %8s %8s %7s %6s %6s %5s\n",
                   r.value("impl", "").c_str(), r.value("pass", "").c_str(), preset_width,
                   r.value("preset", "").c_str(), static_cast<long long>(r.value("ranks", int64_t{0})),
                   static_cast<long long>(r.value("tokens_per_rank", int64_t{0})),
@@ -134,7 +137,8 @@ void print_table(std::ostream& out, const json& records) {
                   number(r, "tflops", "%.1f").c_str(), number(r, "speedup_vs_baseline", "%.2fx").c_str(),
                   number(r, "late_median_ms", "%.3f").c_str(),
                   number(r, "late_speedup_vs_baseline", "%.2fx").c_str(),
-                  number(r, "sm_clock_mhz", "%.0f").c_str(), number(r, "power_w", "%.0f").c_str());
+                  number(r, "floor_fraction", "%.2f").c_str(), number(r, "sm_clock_mhz", "%.0f").c_str(),
+                  number(r, "power_w", "%.0f").c_str());
     if (r.contains("error")) ++errors[r["error"].get<std::string>()];
   }
   for (const auto& [error, count] : errors)
@@ -174,6 +178,7 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
 
   // Everything that can be wrong with the options fails here, before any GPU work.
   const std::vector<BenchPass> passes = parse_passes(options.passes);
+  const std::vector<std::string> peers = parse_peers(options.peers);
   POUNCE_CHECK(!options.impls.empty(), "--impl is empty; choose fused, fused-all or staged");
   for (const std::string& impl : options.impls) {
     Config config;
@@ -234,6 +239,8 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
   json records = json::array();
   Progress progress(true);
   int failures = 0;
+  const size_t num_configs = presets.size() * options.tokens.size();
+  size_t config_idx = 0;
   for (const Preset& preset : presets) {
     for (int64_t tokens : options.tokens) {
       Shape shape = preset.shape;
@@ -250,12 +257,16 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
       setup.input_sets =
           options.input_sets > 0 ? options.input_sets : rotation_sets(input_set_bytes(shape), l2);
       const std::string what = preset.name + ", " + std::to_string(tokens) + " tokens/rank";
+      progress.line(format("configuration %zu/%zu: %s on %d rank%s", ++config_idx, num_configs, what.c_str(),
+                           R, R > 1 ? "s" : ""));
       progress.stage(what + ": generating inputs");
       HostProblem problem;
       std::string problem_error;
       try {
         if (!on_gpu) check_cpu_memory(shape);
-        problem = generate_problem(shape, preset.activation, options.seed);
+        problem = generate_problem(shape, preset.activation, options.seed, 0, [&](double done) {
+          progress.update(format("%s: generating inputs, %.0f %%", what.c_str(), 100.0 * done));
+        });
       } catch (const std::exception& error) {
         problem_error = error.what();
       }
@@ -280,15 +291,15 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
   progress.finish();
 
   const std::vector<BenchPass> base_passes = baseline_passes(passes);
-  const std::vector<std::string> base_presets = baseline_presets(options.presets);
   const std::string torchrun = find_executable(options.torchrun);
   if (!on_gpu) {
-    std::cerr << "note: no baseline on the CPU reference backend\n";
+    std::cerr << "note: no baseline and no peers on the CPU reference backend\n";
   } else if (options.no_baseline) {
-    std::cerr << "warning: --no-baseline: records have no speedup_vs_baseline\n";
-  } else if (base_passes.empty() || base_presets.empty()) {
-    std::cerr
-        << "note: the baseline measures forward and forward_backward of named presets only; none asked\n";
+    std::cerr << "warning: --no-baseline: records have no speedup_vs_baseline"
+              << (peers.empty() ? "" : ", and the peers (run in the baseline's process) are not measured")
+              << "\n";
+  } else if (base_passes.empty()) {
+    std::cerr << "note: the baseline and the peers measure forward and forward_backward; neither asked\n";
   } else if (torchrun.empty()) {
     std::cerr << "warning: '" << options.torchrun << "' not found; skipping the baseline (records have no "
               << "speedup_vs_baseline); pass --torchrun PATH or --no-baseline\n";
@@ -300,9 +311,10 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
     run.torchrun = torchrun;
     run.script = options.baseline_script;
     run.ranks = R;
-    run.presets = base_presets;
+    run.presets = options.presets;
     run.tokens = options.tokens;
     run.passes = base_passes;
+    run.peers = peers;
     run.warmup = options.warmup;
     run.iters = options.iters;
     // One process measures every baseline configuration, its setup included: its records share that run's
@@ -315,15 +327,13 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
     }();
     constexpr double kBaselineBusyFraction = 0.5;
     const TelemetrySummary ran_at = telemetry.stop(kBaselineBusyFraction);
-    for (json& record : baseline) {
-      add_telemetry(record, ran_at);
-      record["telemetry_scope"] = "the baseline run's readings at >= half its highest power";
-      records.push_back(record);
-    }
+    add_baseline_telemetry(baseline, telemetry.samples(), ran_at);
+    for (json& record : baseline) records.push_back(record);
   }
   apply_speedups(records);
 
   print_table(std::cout, records);
+  std::cout << side_by_side(records);
   if (record) {
     std::vector<std::string> files;
     try {
@@ -336,8 +346,13 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
     }
     for (const std::string& file : files)
       std::cout << "recorded into " << file << " (the latest record per configuration)\n";
+    // The run's own records beside its chart, outside the source tree: one PNG per sweep.
+    const std::string run_path = default_out_path(options.name, context.date, std::getenv("TMPDIR"));
+    write_json(records, run_path);
+    std::cout << "wrote the run's " << records.size() << " records to " << run_path << "\n";
+    write_chart(options, run_path);
     for (const json& r : records)
-      if (!r.value("median_ms", json()).is_number())
+      if (!is_recordable(r))
         std::cerr << "not recorded (not measured): " << r.value("impl", "") << " " << r.value("pass", "")
                   << " " << r.value("preset", "") << " " << r.value("tokens_per_rank", int64_t{0})
                   << " tokens/rank\n";

@@ -31,6 +31,7 @@ struct BenchOptions {
   int iters = 20;
   uint64_t seed = 2026;
   bool no_baseline = false;
+  std::vector<std::string> peers;  // liger | transformers | floor | all | none, beside the baseline
   std::string torchrun = "torchrun";
   std::string baseline_script = "bench/baselines/torch_moe.py";
   std::string plot_script = "bench/plot_results.py";  // "" = no chart

@@ -1,6 +1,8 @@
 #include "cli/inputs.h"
 
+#include <atomic>
 #include <cmath>
+#include <mutex>
 #include <numbers>
 #include <random>
 
@@ -112,8 +114,8 @@ void fill_routing(const Shape& shape, uint64_t seed, int64_t rank, HostRank& out
 
 }  // namespace
 
-HostProblem generate_problem(const Shape& shape, const Activation& activation, uint64_t seed,
-                             int num_threads) {
+HostProblem generate_problem(const Shape& shape, const Activation& activation, uint64_t seed, int num_threads,
+                             const GenerationProgress& on_progress) {
   validate(shape);
   const int64_t R = shape.num_ranks, T = shape.max_tokens, H = shape.hidden, I = shape.intermediate;
   const int64_t El = shape.num_local_experts(), Is = shape.shared_intermediate;
@@ -153,9 +155,23 @@ HostProblem generate_problem(const Shape& shape, const Activation& activation, u
     for (int64_t chunk = 0; chunk * kChunk < size; ++chunk) tasks.emplace_back(job, chunk);
   }
   const int64_t num_fill_tasks = static_cast<int64_t>(tasks.size());
-  parallel_for(num_fill_tasks + R, num_threads, [&](int64_t task) {
+  const int64_t num_tasks = num_fill_tasks + R;
+  std::atomic<int64_t> tasks_done{0};
+  std::mutex progress_mutex;
+  int steps_reported = 0;  // guarded by progress_mutex
+  auto report = [&] {
+    const int64_t done = tasks_done.fetch_add(1) + 1;
+    if (!on_progress) return;
+    const int step = static_cast<int>(done * kProgressSteps / num_tasks);
+    std::lock_guard<std::mutex> lock(progress_mutex);
+    if (step <= steps_reported) return;
+    steps_reported = step;
+    on_progress(static_cast<double>(step) / kProgressSteps);
+  };
+  parallel_for(num_tasks, num_threads, [&](int64_t task) {
     if (task >= num_fill_tasks) {
       fill_routing(shape, seed, task - num_fill_tasks, problem.ranks[task - num_fill_tasks]);
+      report();
       return;
     }
     const auto [job_idx, chunk] = tasks[task];
@@ -164,6 +180,7 @@ HostProblem generate_problem(const Shape& shape, const Activation& activation, u
     const int64_t count = std::min<int64_t>(kChunk, static_cast<int64_t>(job.tensor->size()) - begin);
     Normal normal(stream_seed(seed, job.rank, job.stream, chunk));
     fill_bf16_normal(normal, job.stddev, job.tensor->data() + begin, count);
+    report();
   });
   return problem;
 }

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "pounce/shape.h"
@@ -40,9 +41,15 @@ struct HostProblem {
   HostWeights shared;           // data-parallel replica: every rank passes the same shared weights
 };
 
-// Validates `shape` (pounce::Error on bad fields) and generates every rank's inputs.
+// The fraction of the inputs generated so far, in (0, 1], called from the generating threads (one at a
+// time) each time another 1/kProgressSteps is done, so that a large shape (a minute of generation) shows it.
+using GenerationProgress = std::function<void(double fraction_done)>;
+inline constexpr int kProgressSteps = 20;
+
+// Validates `shape` (pounce::Error on bad fields) and generates every rank's inputs. The values do not depend
+// on num_threads or on_progress.
 HostProblem generate_problem(const Shape& shape, const Activation& activation, uint64_t seed,
-                             int num_threads = 0);
+                             int num_threads = 0, const GenerationProgress& on_progress = {});
 
 // Routed (token, slot) pairs with an expert id >= 0, summed over ranks.
 int64_t count_routed_pairs(const HostProblem& problem);

@@ -144,7 +144,11 @@ int main(int argc, char** argv) {
   bench_app->add_option("--warmup", bench.warmup, "untimed runs per configuration")->capture_default_str();
   bench_app->add_option("--iters", bench.iters, "timed runs per configuration")->capture_default_str();
   bench_app->add_option("--seed", bench.seed, "seed of every input")->capture_default_str();
-  bench_app->add_flag("--no-baseline", bench.no_baseline, "skip the PyTorch baseline");
+  bench_app->add_flag("--no-baseline", bench.no_baseline, "skip the PyTorch baseline (and the peers)");
+  bench_app
+      ->add_option("--peers", bench.peers,
+                   "also measure, in the baseline's process on its inputs: liger, transformers, floor, all")
+      ->delimiter(',');
   bench_app
       ->add_option("--plot-script", bench.plot_script,
                    "charts the results as a PNG beside the JSON ('' = no chart; needs matplotlib)")

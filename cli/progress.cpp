@@ -2,38 +2,62 @@
 
 #include <unistd.h>
 
-#include <cstdio>
-
 namespace pounce::cli {
 
-namespace {
-constexpr double kQuietSeconds = 3.0;  // off a terminal, stages of runs shorter than this are not printed
-}
+Progress::Progress(bool enabled)
+    : Progress(enabled, stderr, isatty(STDERR_FILENO) != 0, [start = std::chrono::steady_clock::now()] {
+        return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      }) {}
 
-Progress::Progress(bool enabled) : enabled_(enabled), tty_(isatty(STDERR_FILENO) != 0) {}
+Progress::Progress(bool enabled, std::FILE* out, bool tty, std::function<double()> seconds)
+    : enabled_(enabled), out_(out), tty_(tty), seconds_(std::move(seconds)) {}
 
 Progress::~Progress() {
   finish();
 }
 
+void Progress::print(const std::string& what, double seconds, bool own_line) {
+  if (tty_ && !own_line) {
+    std::fprintf(out_, "\r\033[K[pounce %6.1f s] %s", seconds, what.c_str());
+    line_open_ = true;
+  } else {
+    if (line_open_) std::fprintf(out_, "\r\033[K");
+    line_open_ = false;
+    std::fprintf(out_, "[pounce %6.1f s] %s\n", seconds, what.c_str());
+  }
+  std::fflush(out_);
+}
+
 void Progress::stage(const std::string& what) {
   if (!enabled_) return;
   std::lock_guard<std::mutex> lock(mutex_);
-  const double seconds = std::chrono::duration<double>(Clock::now() - start_).count();
+  const double seconds = seconds_();
+  if (tty_ || seconds >= kQuietSeconds) print(what, seconds, false);
+}
+
+void Progress::update(const std::string& what) {
+  if (!enabled_) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  const double seconds = seconds_();
   if (tty_) {
-    std::fprintf(stderr, "\r\033[K[pounce %6.1f s] %s", seconds, what.c_str());
-    line_open_ = true;
-  } else if (seconds >= kQuietSeconds) {
-    std::fprintf(stderr, "[pounce %6.1f s] %s\n", seconds, what.c_str());
+    print(what, seconds, false);
+  } else if (seconds >= kQuietSeconds && seconds - last_update_s_ >= kUpdateSeconds) {
+    last_update_s_ = seconds;
+    print(what, seconds, false);
   }
-  std::fflush(stderr);
+}
+
+void Progress::line(const std::string& what) {
+  if (!enabled_) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  print(what, seconds_(), true);
 }
 
 void Progress::finish() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (line_open_) std::fprintf(stderr, "\r\033[K");
+  if (line_open_) std::fprintf(out_, "\r\033[K");
   line_open_ = false;
-  std::fflush(stderr);
+  std::fflush(out_);
 }
 
 }  // namespace pounce::cli

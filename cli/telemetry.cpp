@@ -138,6 +138,13 @@ TelemetrySummary summarize(const std::vector<TelemetrySample>& samples, double b
   return summary;
 }
 
+TelemetrySummary summarize_window(const std::vector<TelemetrySample>& samples, double begin_s, double end_s) {
+  std::vector<TelemetrySample> within;
+  for (const TelemetrySample& s : samples)
+    if (s.unix_s >= begin_s && s.unix_s <= end_s) within.push_back(s);
+  return summarize(within);
+}
+
 void add_telemetry(nlohmann::json& record, const TelemetrySummary& summary) {
   const bool sampled = summary.samples > 0;
   auto value = [sampled](double v) { return sampled ? nlohmann::json(v) : nlohmann::json(nullptr); };
@@ -167,6 +174,11 @@ TelemetrySummary GpuTelemetry::stop(double busy_fraction) {
   return summarize(samples_, busy_fraction);
 }
 
+std::vector<TelemetrySample> GpuTelemetry::samples() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return samples_;
+}
+
 void GpuTelemetry::sample_until_stopped(std::chrono::microseconds period) {
   const Nvml& n = nvml();
   while (!stopping_) {
@@ -177,8 +189,10 @@ void GpuTelemetry::sample_until_stopped(std::chrono::microseconds period) {
       if (n.clock_info(device, kNvmlClockSm, &clock) != 0 || !read_power_w(n, device, watts) ||
           n.temperature(device, kNvmlTemperatureGpu, &celsius) != 0)
         continue;
+      const double now_s =
+          std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
       std::lock_guard<std::mutex> lock(mutex_);
-      samples_.push_back({static_cast<double>(clock), watts, static_cast<double>(celsius)});
+      samples_.push_back({static_cast<double>(clock), watts, static_cast<double>(celsius), now_s});
     }
     std::this_thread::sleep_for(period);
   }

@@ -21,6 +21,7 @@ struct TelemetrySample {
   double sm_clock_mhz = 0.0;
   double power_w = 0.0;
   double temperature_c = 0.0;
+  double unix_s = 0.0;  // when it was read (wall clock, seconds since 1970): matches a process's timed window
 };
 
 struct TelemetrySummary {
@@ -34,6 +35,10 @@ struct TelemetrySummary {
 // the readings at no less than that fraction of the highest power (a window that also holds idle or setup
 // readings: the baseline's process).
 TelemetrySummary summarize(const std::vector<TelemetrySample>& samples, double busy_fraction = 0.0);
+
+// summarize() of the readings taken within [begin_s, end_s] (unix_s), e.g. one timed pass of the baseline's
+// process, which reports its passes' windows (bench/baselines/torch_moe.py, timed_window_unix_s).
+TelemetrySummary summarize_window(const std::vector<TelemetrySample>& samples, double begin_s, double end_s);
 
 // Adds sm_clock_mhz, power_w and temperature_c to a bench record (null without samples), and
 // telemetry_samples.
@@ -63,6 +68,7 @@ class GpuTelemetry {
   GpuTelemetry& operator=(const GpuTelemetry&) = delete;
 
   TelemetrySummary stop(double busy_fraction = 0.0);  // summarize's busy_fraction
+  std::vector<TelemetrySample> samples();             // every reading so far (all of them after stop())
 
  private:
   void sample_until_stopped(std::chrono::microseconds period);

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -16,6 +17,7 @@
 #include "pounce/error.h"
 #include "cli/bench.h"
 #include "cli/inputs.h"
+#include "cli/progress.h"
 #include "cli/runner.h"
 #include "cli/telemetry.h"
 
@@ -272,7 +274,7 @@ TEST(CliBench, BaselineCommandAsksForTheSamePassesAndRotation) {
   run.torchrun = "/opt/torch/.venv/bin/torchrun";
   run.script = "bench/baselines/torch_moe.py";
   run.ranks = 2;
-  run.presets = baseline_presets({"qwen3-30b-a3b", "custom:256:128:8:2", "deepseek-v3"});
+  run.presets = {"qwen3-30b-a3b", "custom:256:128:8:2", "deepseek-v3"};
   run.tokens = {1024, 8192};
   run.passes = baseline_passes(parse_passes({"all", "backward"}));
   run.warmup = 2;
@@ -281,10 +283,180 @@ TEST(CliBench, BaselineCommandAsksForTheSamePassesAndRotation) {
   const std::string command = baseline_command(run);
   for (const char* part :
        {"'/opt/torch/.venv/bin/torchrun' --standalone --nproc-per-node=2 ",
-        "--preset 'qwen3-30b-a3b,deepseek-v3' ", "--tokens 1024,8192 ", "--passes forward,forward_backward ",
-        "--warmup 2 --iters 10 --sets 0 ", "--json '/tmp/x.json'"})
+        "--preset 'qwen3-30b-a3b,custom:256:128:8:2,deepseek-v3' ", "--tokens 1024,8192 ",
+        "--passes forward,forward_backward ", "--warmup 2 --iters 10 --sets 0 ", "--json '/tmp/x.json'"})
     EXPECT_NE(command.find(part), std::string::npos) << part << " not in: " << command;
+  EXPECT_EQ(command.find("--peers"), std::string::npos) << "no peers asked: " << command;
+  run.peers = parse_peers({"floor", "liger"});
+  EXPECT_NE(baseline_command(run).find(" --sets 0 --peers liger,floor --json "), std::string::npos)
+      << baseline_command(run);
   EXPECT_EQ(shell_quote("it's"), "'it'\\''s'");
+}
+
+TEST(CliBench, ParsesPeers) {
+  EXPECT_EQ(parse_peers({"floor", "liger", "floor"}), (std::vector<std::string>{"liger", "floor"}));
+  EXPECT_EQ(parse_peers({"all"}), (std::vector<std::string>{"liger", "transformers", "floor"}));
+  EXPECT_TRUE(parse_peers({}).empty());
+  EXPECT_TRUE(parse_peers({"none"}).empty());
+  EXPECT_TRUE(throws_with(
+      [] {
+        parse_peers({"liger", "megablocks"});
+      },
+      "--peers megablocks is unknown; choose liger, transformers, floor, all or none"));
+  for (const char* impl : {"baseline", "liger", "transformers", "floor"})
+    EXPECT_TRUE(is_peer_impl(impl)) << impl;
+  for (const char* impl : {"fused", "fused-all", "fused-staged", "staged"})
+    EXPECT_FALSE(is_peer_impl(impl)) << impl;
+}
+
+json peer_record(const std::string& impl, const std::string& pass, json median_ms) {
+  json record = {{"impl", impl},
+                 {"pass", pass},
+                 {"preset", "qwen3-30b-a3b"},
+                 {"ranks", 1},
+                 {"tokens_per_rank", 8192},
+                 {"precision", "bf16"},
+                 {"median_ms", median_ms}};
+  if (median_ms.is_number()) record["tflops"] = 100.0 / median_ms.get<double>();
+  return record;
+}
+
+// Pounce against each peer of the same configuration, and everyone against the compute-only floor.
+TEST(CliBench, RatiosAgainstEveryPeerAndTheFloor) {
+  json records = {peer_record("fused", "forward", 2.0),
+                  peer_record("baseline", "forward", 5.0),
+                  peer_record("liger", "forward", 3.0),
+                  peer_record("transformers", "forward", 4.0),
+                  peer_record("floor", "forward", 1.5),
+                  peer_record("fused", "forward_backward", 6.0),
+                  peer_record("liger", "forward_backward", nullptr)};
+  records[6]["unsupported"] = true;
+  records[6]["error"] = "liger-kernel's fused MoE computes SwiGLU only";
+  apply_speedups(records);
+  EXPECT_EQ(records[0]["speedup_vs"], (json{{"baseline", 2.5}, {"liger", 1.5}, {"transformers", 2.0}}))
+      << "the floor is a fraction, not a peer to beat";
+  EXPECT_DOUBLE_EQ(records[0]["speedup_vs_baseline"].get<double>(), 2.5);
+  EXPECT_DOUBLE_EQ(records[0]["floor_fraction"].get<double>(), 0.75);
+  EXPECT_FALSE(records[2].contains("speedup_vs")) << "peers are not compared with each other";
+  EXPECT_DOUBLE_EQ(records[2]["floor_fraction"].get<double>(), 0.5);
+  EXPECT_DOUBLE_EQ(records[2]["speedup_vs_baseline"].get<double>(), 5.0 / 3.0);
+  EXPECT_DOUBLE_EQ(records[4]["floor_fraction"].get<double>(), 1.0);
+  EXPECT_EQ(records[5]["speedup_vs"], json::object()) << "no measured peer in that pass";
+  EXPECT_TRUE(records[5]["floor_fraction"].is_null());
+  EXPECT_TRUE(records[6]["floor_fraction"].is_null());
+
+  const std::string table = side_by_side(records);
+  for (const char* part : {"qwen3-30b-a3b, EP1, 8192 tokens/rank, forward\n", "  liger ", "1.50x", "75%",
+                           "qwen3-30b-a3b, EP1, 8192 tokens/rank, forward_backward\n",
+                           "  liger did not run (cannot): liger-kernel's fused MoE computes SwiGLU only\n"})
+    EXPECT_NE(table.find(part), std::string::npos) << part << " not in:\n" << table;
+  // the baseline's row: Pounce's speed-up over it; the floor's: Pounce at 0.75x of its speed
+  EXPECT_NE(table.find("2.50x"), std::string::npos) << table;
+  EXPECT_NE(table.find("0.75x"), std::string::npos) << table;
+  EXPECT_EQ(side_by_side(json{peer_record("fused", "forward", 2.0), peer_record("baseline", "forward", 5.0)}),
+            "")
+      << "without peers the main table says it all";
+}
+
+TEST(CliBench, RecordsWhatAPeerCannotRunButNotWhatFailed) {
+  json cannot = peer_record("liger", "forward", nullptr);
+  cannot["unsupported"] = true;
+  cannot["error"] = "liger-kernel's fused MoE computes SwiGLU only";
+  json missing = peer_record("transformers", "forward", nullptr);
+  missing["unsupported"] = false;
+  missing["error"] = "transformers does not import here";
+  EXPECT_TRUE(is_recordable(cannot));
+  EXPECT_FALSE(is_recordable(missing));
+  EXPECT_TRUE(is_recordable(peer_record("floor", "forward", 1.0)));
+  const json merged =
+      merge_records(json::array(), json{cannot, missing, peer_record("floor", "forward", 1.0)});
+  ASSERT_EQ(merged.size(), 2u);
+  EXPECT_EQ(merged[0]["impl"], "floor");
+  EXPECT_EQ(merged[1]["impl"], "liger");
+  EXPECT_EQ(merged[1]["error"], cannot["error"]);
+}
+
+// The baseline's process reports each pass's timed window; its readings are those of that window.
+TEST(CliBench, BaselineRecordsTakeTheTelemetryOfTheirTimedWindow) {
+  const std::vector<TelemetrySample> samples = {{1980.0, 100.0, 40.0, 10.0},  // setup
+                                                {1500.0, 600.0, 60.0, 20.5},
+                                                {1700.0, 700.0, 70.0, 21.0},   // the first window
+                                                {1800.0, 650.0, 65.0, 30.0}};  // the second
+  const TelemetrySummary within = summarize_window(samples, 20.0, 21.0);
+  EXPECT_EQ(within.samples, 2);
+  EXPECT_DOUBLE_EQ(within.sm_clock_mhz, 1600.0);
+  json first = peer_record("baseline", "forward", 1.0);
+  first["timed_window_unix_s"] = {20.0, 21.0};
+  json second = peer_record("liger", "forward", 1.0);
+  second["timed_window_unix_s"] = {29.0, 31.0};
+  json unwindowed = peer_record("baseline", "forward_backward", 1.0);
+  json empty_window = peer_record("floor", "forward", 1.0);
+  empty_window["timed_window_unix_s"] = {40.0, 41.0};
+  json not_run = peer_record("transformers", "forward", nullptr);
+  json records = {first, second, unwindowed, empty_window, not_run};
+  TelemetrySummary whole;
+  whole.samples = 9;
+  whole.sm_clock_mhz = 1234.0;
+  whole.power_w = 555.0;
+  add_baseline_telemetry(records, samples, whole);
+  EXPECT_DOUBLE_EQ(records[0]["sm_clock_mhz"].get<double>(), 1600.0);
+  EXPECT_DOUBLE_EQ(records[0]["power_w"].get<double>(), 650.0);
+  EXPECT_EQ(records[0]["telemetry_samples"], 2);
+  EXPECT_DOUBLE_EQ(records[1]["sm_clock_mhz"].get<double>(), 1800.0);
+  EXPECT_EQ(records[1]["telemetry_scope"], "the readings within this pass's timed runs");
+  for (size_t i : {2u, 3u}) {
+    EXPECT_DOUBLE_EQ(records[i]["sm_clock_mhz"].get<double>(), 1234.0) << i;
+    EXPECT_EQ(records[i]["telemetry_scope"], "the baseline run's readings at >= half its highest power") << i;
+  }
+  EXPECT_FALSE(records[4].contains("sm_clock_mhz")) << "a record not measured has no readings";
+}
+
+// Off a terminal: stages only after the quiet seconds, updates at most every few seconds, lines always.
+TEST(CliBench, ProgressPrintsLongWorkWithoutFlooding) {
+  std::FILE* out = std::tmpfile();
+  ASSERT_NE(out, nullptr);
+  double now = 0.0;
+  {
+    Progress progress(true, out, false, [&] { return now; });
+    progress.line("configuration 1/2");
+    progress.stage("quiet stage");
+    progress.update("inputs 5 %");  // before the quiet seconds: not printed
+    now = 3.5;
+    progress.update("inputs 40 %");
+    now = 4.0;
+    progress.update("inputs 45 %");  // 0.5 s after the last update: not printed
+    now = 8.6;
+    progress.update("inputs 90 %");
+    progress.stage("timing");
+  }
+  std::rewind(out);
+  std::string text;
+  for (int c = std::fgetc(out); c != EOF; c = std::fgetc(out)) text += static_cast<char>(c);
+  std::fclose(out);
+  EXPECT_EQ(text,
+            "[pounce    0.0 s] configuration 1/2\n"
+            "[pounce    3.5 s] inputs 40 %\n"
+            "[pounce    8.6 s] inputs 90 %\n"
+            "[pounce    8.6 s] timing\n");
+}
+
+// A large shape reports its generation as it goes; the values do not depend on it.
+TEST(CliBench, InputGenerationReportsItsProgress) {
+  Shape shape = tiny_shape();
+  shape.max_tokens = 300;
+  shape.hidden = 1024;
+  shape.intermediate = 512;  // 3 x 2 x 512 x 1024 routed values per rank: several chunks per tensor
+  std::vector<double> fractions;
+  const HostProblem reported =
+      generate_problem(shape, Activation::swiglu(), 7, 3, [&](double done) { fractions.push_back(done); });
+  ASSERT_FALSE(fractions.empty());
+  EXPECT_LE(fractions.size(), static_cast<size_t>(kProgressSteps));
+  EXPECT_DOUBLE_EQ(fractions.back(), 1.0);
+  for (size_t i = 1; i < fractions.size(); ++i) EXPECT_GT(fractions[i], fractions[i - 1]);
+  const HostProblem quiet = generate_problem(shape, Activation::swiglu(), 7, 1);
+  EXPECT_EQ(reported.ranks[1].routed.down, quiet.ranks[1].routed.down);
+  EXPECT_EQ(reported.ranks[0].topk_idx, quiet.ranks[0].topk_idx);
+  EXPECT_EQ(reported.shared.gate, quiet.shared.gate);
 }
 
 TEST(CliBench, WritesOutsideTheSourceTreeUnlessAskedToRecord) {
