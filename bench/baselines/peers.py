@@ -59,8 +59,8 @@ def unsupported_reason(peer, cfg, ranks):
         return (f"{peer} computes one GPU's experts and has no expert-parallel dispatch or combine; "
                 f"EP{ranks} needs them (measure it at EP1)")
     if shared:
-        owner = "liger-kernel" if peer == "liger" else "transformers"
-        return (f"{owner}' experts have no shared expert (Is {shared}); the routed experts alone are the shape "
+        owner = "liger-kernel's" if peer == "liger" else "transformers'"
+        return (f"{owner} experts have no shared expert (Is {shared}); the routed experts alone are the shape "
                 f"custom:{cfg['hidden']}:{cfg['intermediate']}:{cfg['experts']}:{cfg['topk']}")
     if peer == "liger":
         if act != "swiglu":

@@ -545,8 +545,8 @@ def bench_peer(name, preset, cfg, T, passes, args, rank, R, group, device, meta,
     import peers
 
     def not_run(reason, unsupported, **extra):
-        recs = [not_run_record(name, pss, reason, unsupported, preset, cfg, T, R, meta,
-                               peer=peers.DESCRIPTIONS[name], **extra) for pss in passes]
+        fields = dict(dict(peer=peers.DESCRIPTIONS[name]), **extra)
+        recs = [not_run_record(name, pss, reason, unsupported, preset, cfg, T, R, meta, **fields) for pss in passes]
         for rec in recs:
             _print_record(rank, rec)
         return recs
