@@ -230,3 +230,14 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
     assert pt.register_transformers()
+
+
+def test_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    model, _ = pounce_and_reference("qwen3_moe", seed=14)
+    ids = batch(seed=15)
+    loss, grads = loss_and_grads(model, ids)
+    compiled_loss, compiled_grads = loss_and_grads(torch.compile(model, backend="aot_eager", fullgraph=True), ids)
+    assert torch.equal(loss, compiled_loss)
+    for name, g in grads.items():
+        assert torch.equal(g, compiled_grads[f"_orig_mod.{name}"]), name

@@ -156,7 +156,7 @@ def _check_supported(module: nn.Module) -> None:
         )
 
 
-def _gate_up_rows(module: nn.Module, intermediate: int):
+def _gate_up_rows(module: nn.Module):
     """Non-transposed layouts: the fused [E,2I,H] weight, or (gate, up) [E,I,H] when interleaved."""
     gate_up = module.gate_up_proj
     if module.is_concatenated:
@@ -197,42 +197,55 @@ def _down_bias_term(module: nn.Module, idx: Tensor, weights: Tensor) -> Tensor:
     return (picked * (weights * valid).unsqueeze(-1)).sum(dim=1)
 
 
+@torch._dynamo.assume_constant_result
+def _layer_handle(module: nn.Module, tokens: int, hidden: int, num_topk: int) -> int:
+    """The pounce layer of this call (host-side set-up: torch.compile calls it while tracing and bakes
+    the handle into the graph, as for MoE's own layer handle)."""
+    _check_supported(module)
+    state = _state(module)
+    activation = _activation(module)
+    num_experts = state.num_experts or module.gate_up_proj.shape[0]
+    if module.is_transposed:
+        if not module.has_bias:
+            raise NotImplementedError("pounce: transposed experts without biases are not mapped yet")
+        shape = (hidden + _HIDDEN_PAD, module.down_proj.shape[1], num_experts, num_topk, 0)
+    else:
+        shared_intermediate = state.shared[0].gate_proj.weight.shape[0] if state.shared else 0
+        shape = (hidden, module.down_proj.shape[2], num_experts, num_topk, shared_intermediate)
+    return state.layer_for(shape, tokens, activation, module.down_proj.device)
+
+
+@torch._dynamo.assume_constant_result
+def _global_experts(module: nn.Module) -> int:
+    return _state(module).num_experts or module.gate_up_proj.shape[0]
+
+
 def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """transformers' experts forward through pounce: out [T,H] in hidden_states' dtype."""
-    _check_supported(self)
-    state = _state(self)
     _ops.check_float("hidden_states", hidden_states)
     _ops.check_float("top_k_weights", top_k_weights)
-    activation = _activation(self)
+    tokens, hidden = hidden_states.shape
+    layer = _layer_handle(self, tokens, hidden, top_k_index.shape[-1])
+    num_experts = _global_experts(self)
     x = hidden_states.to(torch.bfloat16)
     idx = top_k_index
     weights = top_k_weights.float()
-    tokens, hidden = x.shape
-    num_experts = state.num_experts or self.gate_up_proj.shape[0]
-    shared = state.shared[0] if state.shared else None
-    ws = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight) if shared else (None, None, None)
-    shared_intermediate = ws[0].shape[0] if shared else 0
-
     if self.is_transposed:  # GPT-OSS: biases folded in, see the module docstring
-        if not self.has_bias:
-            raise NotImplementedError("pounce: transposed experts without biases are not mapped yet")
         x_aug, w_gate, w_up, w_down = _gpt_oss_weights(self, x)
-        intermediate = w_gate.shape[1]
-        layer = state.layer_for((hidden + _HIDDEN_PAD, intermediate, num_experts, idx.shape[-1], 0), tokens,
-                                activation, x.device)
         out = _ops.moe(x_aug, idx, weights, w_gate, w_up, w_down, layer=layer)[:, :hidden]
         out = out.float() + _down_bias_term(self, idx, weights)
     else:
-        intermediate = self.down_proj.shape[2]
-        layer = state.layer_for((hidden, intermediate, num_experts, idx.shape[-1], shared_intermediate), tokens,
-                                activation, x.device)
-        gate_up, up = _gate_up_rows(self, intermediate)
+        shared = self.__dict__["_pounce"].shared
+        ws = (None, None, None)
+        if shared:
+            ws = (shared[0].gate_proj.weight, shared[0].up_proj.weight, shared[0].down_proj.weight)
+        gate_up, up = _gate_up_rows(self)
         if up is None:
             out = _ops.moe(x, idx, weights, w_down=self.down_proj, w_gate_up=gate_up, ws_gate=ws[0], ws_up=ws[1],
                            ws_down=ws[2], layer=layer)
         else:
             out = _ops.moe(x, idx, weights, gate_up.contiguous(), up.contiguous(), self.down_proj, *ws, layer=layer)
-    self.__dict__["last_tokens_per_expert"] = _ops.tokens_per_expert(idx, num_experts)
+    self.last_tokens_per_expert = _ops.tokens_per_expert(idx, num_experts)
     return out.to(hidden_states.dtype)
 
 
