@@ -344,8 +344,8 @@ def configure_transformers(
 ) -> dict:
     """Options of the "pounce" experts of a transformers model (call after loading the weights).
 
-    ``group``: the EP group (torch.distributed process group, e.g. ``mesh["ep"].get_group()``, or a
-    :class:`pounce.Group`); every experts module then keeps only this rank's experts (its
+    ``group``: the EP group (a torch.distributed process group, a 1-D DeviceMesh such as ``mesh["ep"]``,
+    or a :class:`pounce.Group`); every experts module then keeps only this rank's experts (its
     ``gate_up_proj``/``down_proj`` become the local slices). ``max_tokens``: tokens per rank and call
     (required under EP). ``share_workspace``: as for :class:`pounce.torch.MoE` (None: a workspace per
     layer within the budget; True: one shared workspace and a forward recompute before each backward,
@@ -353,6 +353,8 @@ def configure_transformers(
     ``fuse_shared_experts``: run DeepSeek-V3-style ungated shared experts inside pounce. Returns counts:
     ``{"experts": modules configured, "shared_inside": blocks whose shared expert moved in}``.
     """
+    if hasattr(group, "get_group") and not isinstance(group, pounce.Group):  # a 1-D DeviceMesh (mesh["ep"])
+        group = group.get_group()
     num_ranks = _registry.group_size(group)
     rank = _registry.group_rank(group)
     counts = {"experts": 0, "shared_inside": 0}
