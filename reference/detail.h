@@ -372,7 +372,8 @@ std::vector<double> to_double(const std::vector<T>& values) {
 // Backward's last phase, as both precisions run it: `result` gets every rank's gradients zeroed (and
 // d_topk_weights as computed); the returned tasks fill them: the d_x combine by chunks of
 // `tokens_per_chunk` tokens, then blocks of `rows_per_task` output rows of each expert's gate, up and down
-// gradient, the shared expert's last.
+// gradient, the shared expert's last. A rank's weight gradients it did not ask for (RankInputs::
+// *_weight_grads) get neither storage nor tasks.
 template <typename T>
 std::vector<GradTask> plan_gradient_tasks(const Problem& p, const std::vector<RankInputs>& ranks,
                                           const std::vector<std::vector<T>>& d_topk, int64_t tokens_per_chunk,
@@ -396,11 +397,13 @@ std::vector<GradTask> plan_gradient_tasks(const Problem& p, const std::vector<Ra
     RankGradients& g = result[r];
     g.d_x.assign(ranks[r].num_tokens * H, 0.0);
     g.d_topk_weights = to_double(d_topk[r]);
-    g.d_routed.gate.assign(El * I * H, 0.0);
-    g.d_routed.up.assign(El * I * H, 0.0);
-    g.d_routed.down.assign(El * H * I, 0.0);
-    for (int64_t le = 0; le < El; ++le) add_weight_tasks(r, le, I);
-    if (Is > 0) {
+    if (ranks[r].routed_weight_grads) {
+      g.d_routed.gate.assign(El * I * H, 0.0);
+      g.d_routed.up.assign(El * I * H, 0.0);
+      g.d_routed.down.assign(El * H * I, 0.0);
+      for (int64_t le = 0; le < El; ++le) add_weight_tasks(r, le, I);
+    }
+    if (Is > 0 && ranks[r].shared_weight_grads) {
       g.d_shared.gate.assign(Is * H, 0.0);
       g.d_shared.up.assign(Is * H, 0.0);
       g.d_shared.down.assign(H * Is, 0.0);

@@ -3,7 +3,9 @@
 // Plain loops, shapes in comments, parallelised over threads. Two numerics:
 //   kBf16 — reproduces the rounding points of docs/design.md §1 (fp32 accumulate, bf16 at g, u, a, y, out)
 //           and the backward rounding points in docs/design.md;
-//   kFp64 — no rounding anywhere, fp64 accumulate: the oracle for tolerances and finite differences.
+//   kFp64 — no rounding anywhere, fp64 accumulate: the oracle for tolerances and finite differences. One
+//           exception: the clamps' gradient masks are decided on g and u rounded to bf16, where the layer
+//           decides them (reference/activation.cpp).
 // Every rank's tensors are held as double; in kBf16 mode inputs must be bf16-representable.
 //
 // Two precisions (Problem::precision, as Config::precision): kBF16, and kFP8, where the routed experts
@@ -45,6 +47,10 @@ struct RankInputs {
   std::vector<int32_t> topk_idx;     // [T, k], -1 = unused slot
   std::vector<double> topk_weights;  // [T, k]
   std::vector<double> d_out;         // [T, H], backward only
+  // Backward only: whether this rank's weight gradients are computed (its experts' routed ones, its tokens'
+  // shared ones). false (frozen experts) skips their work and leaves RankGradients' vectors empty.
+  bool routed_weight_grads = true;
+  bool shared_weight_grads = true;
 };
 
 struct Weights {
@@ -82,8 +88,9 @@ struct RankForward {
 struct RankGradients {
   std::vector<double> d_x;             // [T, H]
   std::vector<double> d_topk_weights;  // [T, k]
-  Weights d_routed;                    // per local expert, shapes as Weights
-  Weights d_shared;                    // this rank's tokens only (data parallel); empty when Is = 0
+  Weights d_routed;                    // per local expert, shapes as Weights; empty when not asked for
+  Weights d_shared;                    // this rank's tokens only (data parallel); empty when Is = 0 or not
+                                       // asked for
 };
 
 // Throws pounce::Error on bad input (expert id out of range, size mismatches) before computing.

@@ -23,10 +23,20 @@ namespace {
 
 using reference::float_to_bf16_bits;
 
+// A view's elements in row-major order, read through its strides (weights may be row-strided views).
 std::vector<double> to_double(const TensorView& view) {
-  if (view.dtype == DType::kBF16) return reference::bf16_to_double(view.as<uint16_t>(), view.numel());
-  const float* values = view.as<float>();
-  return std::vector<double>(values, values + view.numel());
+  if (view.is_dense()) {
+    if (view.dtype == DType::kBF16) return reference::bf16_to_double(view.as<uint16_t>(), view.numel());
+    const float* values = view.as<float>();
+    return std::vector<double>(values, values + view.numel());
+  }
+  std::vector<double> out(view.numel());
+  for (int64_t i = 0; i < view.numel(); ++i) {
+    const int64_t at = view.offset_of(i);
+    out[i] = view.dtype == DType::kBF16 ? reference::bf16_bits_to_float(view.as<uint16_t>()[at])
+                                        : view.as<float>()[at];
+  }
+  return out;
 }
 
 std::vector<int32_t> to_int32(const TensorView& view) {
@@ -41,17 +51,19 @@ std::vector<int32_t> to_int32(const TensorView& view) {
   return out;
 }
 
-// Writes `values` into a bf16 or fp32 view; `accumulate` adds into fp32 (main_grad).
+// Writes `values` (row-major) into a bf16 or fp32 view through its strides; `accumulate` adds into fp32
+// (main_grad). An empty view is a gradient nobody asked for (frozen weights): nothing is written.
 void store(const std::vector<double>& values, const TensorView& view, bool accumulate = false) {
-  if (view.dtype == DType::kBF16) {
-    uint16_t* bits = view.as<uint16_t>();
-    for (size_t i = 0; i < values.size(); ++i) bits[i] = float_to_bf16_bits(static_cast<float>(values[i]));
-  } else if (accumulate) {
-    float* out = view.as<float>();
-    for (size_t i = 0; i < values.size(); ++i) out[i] += static_cast<float>(values[i]);
-  } else {
-    float* out = view.as<float>();
-    for (size_t i = 0; i < values.size(); ++i) out[i] = static_cast<float>(values[i]);
+  if (view.is_none()) return;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const int64_t at = view.offset_of(static_cast<int64_t>(i));
+    if (view.dtype == DType::kBF16) {
+      view.as<uint16_t>()[at] = float_to_bf16_bits(static_cast<float>(values[i]));
+    } else if (accumulate) {
+      view.as<float>()[at] += static_cast<float>(values[i]);
+    } else {
+      view.as<float>()[at] = static_cast<float>(values[i]);
+    }
   }
 }
 
@@ -82,6 +94,10 @@ reference::RankInputs to_inputs(const ForwardArgs& args, const TensorView* d_out
   inputs.topk_weights = to_double(args.topk_weights);
   if (d_out != nullptr) inputs.d_out = to_double(*d_out);
   return inputs;
+}
+
+bool any_given(const ExpertWeights& weights) {
+  return !weights.gate.is_none() || !weights.up.is_none() || !weights.down.is_none();
 }
 
 CpuGroup& group_of(WorkspaceState& state) {
@@ -249,6 +265,9 @@ void backward(WorkspaceState& state, const BackwardArgs& args, const std::string
   const int64_t num_tokens = error.empty() ? args.inputs.x.shape[0] : 0;
   CpuPost post = record_of(state, CpuCall::kBackward, num_tokens, error);
   add_inputs(state, args.inputs, &args.d_out, post);
+  // Frozen experts: the gradients this rank left empty are not computed (its experts' and its tokens').
+  post.inputs.routed_weight_grads = any_given(args.d_routed);
+  post.inputs.shared_weight_grads = any_given(args.d_shared);
   std::vector<reference::RankInputs> inputs;
   std::vector<reference::Weights> routed;
   reference::Weights shared;

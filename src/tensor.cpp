@@ -50,11 +50,44 @@ int64_t TensorView::numel() const {
   return count;
 }
 
+int64_t TensorView::stride(int64_t dim) const {
+  if (!strides.empty()) return strides[dim];
+  int64_t dense = 1;
+  for (int64_t d = rank() - 1; d > dim; --d) dense *= shape[d];
+  return dense;
+}
+
+int64_t TensorView::span_bytes() const {
+  if (strides.empty() || numel() == 0) return bytes();
+  int64_t last = 0;
+  for (int64_t d = 0; d < rank(); ++d) last += (shape[d] - 1) * strides[d];
+  return (last + 1) * size_of(dtype);
+}
+
+int64_t TensorView::offset_of(int64_t flat_index) const {
+  if (strides.empty()) return flat_index;
+  int64_t offset = 0;
+  for (int64_t d = rank() - 1; d >= 0; --d) {
+    offset += flat_index % shape[d] * strides[d];
+    flat_index /= shape[d];
+  }
+  return offset;
+}
+
 std::string TensorView::describe() const {
   std::ostringstream out;
-  out << to_string(dtype) << "[";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "] on " << (device == DeviceKind::kCpu ? "cpu" : "cuda:" + std::to_string(device_id));
+  auto list = [&](const std::vector<int64_t>& values) {
+    out << "[";
+    for (size_t i = 0; i < values.size(); ++i) out << (i ? ", " : "") << values[i];
+    out << "]";
+  };
+  out << to_string(dtype);
+  list(shape);
+  if (!strides.empty()) {
+    out << " strides ";
+    list(strides);
+  }
+  out << " on " << (device == DeviceKind::kCpu ? "cpu" : "cuda:" + std::to_string(device_id));
   return out.str();
 }
 
@@ -71,7 +104,35 @@ static DType dtype_from_dlpack(const DLDataType& type, const char* name) {
                "); Pounce takes bf16, fp32, int32, int64 and fp8e4m3 tensors");
 }
 
-TensorView TensorView::from_dlpack(const DLTensor& tensor, const char* name) {
+// The strides of a row-strided view (StridePolicy::kRowStrided), checked: the last dimension contiguous, the
+// others positive and without overlap (each at least the span of the dimensions inside it, in stride order).
+// Dimensions of extent 1 are never stepped over; they get the dense stride of what follows them.
+static std::vector<int64_t> row_strides(const DLTensor& tensor, const char* name) {
+  const int ndim = tensor.ndim;
+  std::vector<int64_t> strides(tensor.strides, tensor.strides + ndim);
+  POUNCE_CHECK(ndim >= 1 && (tensor.shape[ndim - 1] == 1 || strides[ndim - 1] == 1), "tensor '", name,
+               "' has stride ", ndim >= 1 ? strides[ndim - 1] : 0,
+               " in its last dimension; Pounce reads weights row by row, so the last dimension must be ",
+               "contiguous (a transposed layout such as [E, H, 2I] is not read in place: pass ",
+               "w.transpose(-1, -2).contiguous() once)");
+  for (int dim = ndim - 1; dim >= 0; --dim)
+    if (tensor.shape[dim] == 1) strides[dim] = dim + 1 < ndim ? strides[dim + 1] * tensor.shape[dim + 1] : 1;
+  std::vector<int> order(ndim);
+  for (int dim = 0; dim < ndim; ++dim) order[dim] = dim;
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return strides[a] < strides[b]; });
+  int64_t inner_span = 1;  // elements spanned by the dimensions of smaller stride
+  for (int dim : order) {
+    if (tensor.shape[dim] == 1) continue;
+    POUNCE_CHECK(strides[dim] >= inner_span, "tensor '", name, "' has stride ", strides[dim],
+                 " in dimension ", dim,
+                 ", which makes its elements overlap; pass a view whose rows are disjoint (or call ",
+                 ".contiguous())");
+    inner_span = strides[dim] * (tensor.shape[dim] - 1) + inner_span;
+  }
+  return strides;
+}
+
+TensorView TensorView::from_dlpack(const DLTensor& tensor, const char* name, StridePolicy policy) {
   TensorView view;
   view.dtype = dtype_from_dlpack(tensor.dtype, name);
   view.shape.assign(tensor.shape, tensor.shape + tensor.ndim);
@@ -79,12 +140,16 @@ TensorView TensorView::from_dlpack(const DLTensor& tensor, const char* name) {
   const bool empty = std::any_of(tensor.shape, tensor.shape + tensor.ndim, [](int64_t e) { return e == 0; });
   if (tensor.strides != nullptr && !empty) {
     int64_t expected = 1;
+    int first_difference = -1;
     for (int dim = tensor.ndim - 1; dim >= 0; --dim) {
-      POUNCE_CHECK(tensor.shape[dim] == 1 || tensor.strides[dim] == expected, "tensor '", name,
-                   "' is not contiguous (dim ", dim, " has stride ", tensor.strides[dim], ", expected ",
-                   expected, "); call .contiguous() first");
+      if (tensor.shape[dim] != 1 && tensor.strides[dim] != expected && first_difference < 0)
+        first_difference = dim;
+      if (first_difference == dim && policy == StridePolicy::kDense)
+        detail::fail("tensor '", name, "' is not contiguous (dim ", dim, " has stride ", tensor.strides[dim],
+                     ", expected ", expected, "); call .contiguous() first");
       expected *= tensor.shape[dim];
     }
+    if (first_difference >= 0) view.strides = row_strides(tensor, name);
   }
   view.data = static_cast<char*>(tensor.data) + tensor.byte_offset;
   switch (tensor.device.device_type) {

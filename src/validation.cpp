@@ -1,5 +1,6 @@
 #include "src/validation.h"
 
+#include <algorithm>
 #include <bit>
 #include <charconv>
 #include <cstdint>
@@ -35,8 +36,43 @@ Device expected_device(const Workspace& workspace, const TensorView& x) {
   return {DeviceKind::kCuda, x.device_id, "argument 'x'"};
 }
 
+// Which layouts an argument may have: dense, or (weights and weight gradients) row-strided.
+enum class Layout { kDense, kRows };
+
+// A row-strided view's strides as the kernels take them: the last dimension contiguous, every other stride a
+// 16-byte multiple (tensor maps and 16-byte vectors step by them), rows that do not overlap. "" when fine.
+std::string row_layout_problem(const TensorView& view) {
+  const int64_t rank = view.rank();
+  if (static_cast<int64_t>(view.strides.size()) != rank)
+    return "has " + std::to_string(view.strides.size()) + " strides for " + std::to_string(rank) +
+           " dimensions; give one per dimension (or none for a dense tensor)";
+  if (rank == 0 || (view.shape[rank - 1] != 1 && view.strides[rank - 1] != 1))
+    return "is not contiguous in its last dimension; Pounce reads weights row by row (a transposed layout "
+           "such as [E, H, 2I] is not read in place: pass w.transpose(-1, -2).contiguous() once)";
+  std::vector<int64_t> order;
+  for (int64_t d = 0; d + 1 < rank; ++d) {
+    if (view.shape[d] == 1) continue;
+    if (view.strides[d] <= 0 || view.strides[d] * size_of(view.dtype) % 16 != 0)
+      return "has stride " + std::to_string(view.strides[d]) + " in dimension " + std::to_string(d) +
+             "; strides must be positive and 16-byte multiples (" + std::to_string(16 / size_of(view.dtype)) +
+             " elements)";
+    order.push_back(d);
+  }
+  std::sort(order.begin(), order.end(),
+            [&](int64_t a, int64_t b) { return view.strides[a] < view.strides[b]; });
+  int64_t inner_span = view.shape[rank - 1];
+  for (int64_t d : order) {
+    if (view.strides[d] < inner_span)
+      return "has stride " + std::to_string(view.strides[d]) + " in dimension " + std::to_string(d) +
+             ", which makes its rows overlap; pass a view whose rows are disjoint";
+    inner_span += view.strides[d] * (view.shape[d] - 1);
+  }
+  return {};
+}
+
 void check_tensor(const Device& device, const std::string& name, const TensorView& view,
-                  std::initializer_list<DType> dtypes, const std::vector<int64_t>& shape) {
+                  std::initializer_list<DType> dtypes, const std::vector<int64_t>& shape,
+                  Layout layout = Layout::kDense) {
   POUNCE_CHECK(!view.is_none(), "argument '", name, "' is missing; pass a tensor of shape ",
                shape_string(shape));
   bool dtype_ok = false;
@@ -56,6 +92,12 @@ void check_tensor(const Device& device, const std::string& name, const TensorVie
                device.kind == DeviceKind::kCpu ? " (host tensors have device index 0)" : "",
                "; pass every tensor of the call on the workspace's device",
                device.kind == DeviceKind::kCuda ? " (torch: .to('" + device.name() + "'))" : std::string());
+  POUNCE_CHECK(view.is_dense() || layout == Layout::kRows, "argument '", name, "' is ", view.describe(),
+               ", a strided view; only weights and their gradients may be strided: call .contiguous()");
+  if (!view.is_dense()) {
+    const std::string problem = row_layout_problem(view);
+    POUNCE_CHECK(problem.empty(), "argument '", name, "' (", view.describe(), ") ", problem);
+  }
   POUNCE_CHECK(view.numel() == 0 || view.data != nullptr, "argument '", name, "' has a null data pointer");
   POUNCE_CHECK(
       reinterpret_cast<uintptr_t>(view.data) % 16 == 0, "argument '", name, "' (", view.describe(),
@@ -68,12 +110,65 @@ void check_optional_none(const std::string& name, const TensorView& view) {
                " but shape.shared_intermediate is 0 (no shared expert); leave it empty or set the shape");
 }
 
+// Whether two views of the same shape, dtype and strides, row-strided of rank 2 or 3, share an element: their
+// rows start on the lattice sum_d i_d stride_d (d an outer dimension) shifted by the views' distance, so some
+// row of one overlaps some row of the other when a lattice step (i_0 - i_0', i_1 - i_1') lands within a row
+// length of that distance. The halves of one fused gate_up tensor, or its interleaved rows, never do.
+bool same_lattice_rows_overlap(const TensorView& a, const TensorView& b) {
+  const int64_t element = size_of(a.dtype);
+  const int64_t distance_bytes = static_cast<const char*>(b.data) - static_cast<const char*>(a.data);
+  if (distance_bytes % element != 0) return true;  // misaligned views: say overlap, the safe answer
+  const int64_t distance = distance_bytes / element, rank = a.rank(), row = a.shape[rank - 1];
+  const int64_t outer = rank == 3 ? a.shape[0] : 1, outer_stride = rank == 3 ? a.strides[0] : 0;
+  const int64_t rows = a.shape[rank - 2], row_stride = a.strides[rank - 2];
+  for (int64_t di0 = -(outer - 1); di0 <= outer - 1; ++di0) {
+    // Need |di0 * outer_stride + di1 * row_stride - distance| < row for some |di1| < rows.
+    const int64_t target = distance - di0 * outer_stride;
+    const int64_t low = target - row + 1, high = target + row - 1;  // di1 * row_stride in [low, high]
+    const int64_t di1_low = low >= 0 ? (low + row_stride - 1) / row_stride : -((-low) / row_stride);
+    const int64_t di1 = std::max(di1_low, -(rows - 1));
+    if (di1 <= rows - 1 && di1 * row_stride <= high) return true;
+  }
+  return false;
+}
+
+// Integer division rounding toward minus infinity.
+int64_t floor_div(int64_t a, int64_t b) {
+  return a / b - (a % b != 0 && (a < 0) != (b < 0));
+}
+
+// Whether a row-strided view of rank 2 or 3 has an element in the bytes [lo, hi) (relative to its data):
+// per outer index, the rows whose byte range meets [lo, hi) are an interval of row indices.
+bool rows_touch(const TensorView& view, int64_t lo, int64_t hi) {
+  const int64_t element = size_of(view.dtype), rank = view.rank();
+  const int64_t outer = rank == 3 ? view.shape[0] : 1, outer_step = rank == 3 ? view.strides[0] * element : 0;
+  const int64_t rows = view.shape[rank - 2], row_step = view.strides[rank - 2] * element;
+  const int64_t row_bytes = view.shape[rank - 1] * element;
+  for (int64_t e = 0; e < outer; ++e) {
+    const int64_t base = e * outer_step;
+    // Row i meets [lo, hi) when base + i * row_step < hi and base + i * row_step + row_bytes > lo.
+    const int64_t first = std::max<int64_t>(0, floor_div(lo - base - row_bytes, row_step) + 1);
+    const int64_t last = std::min(rows - 1, floor_div(hi - base - 1, row_step));
+    if (first <= last) return true;
+  }
+  return false;
+}
+
 bool overlaps(const TensorView& a, const TensorView& b) {
   if (a.is_none() || b.is_none() || a.numel() == 0 || b.numel() == 0) return false;
   if (a.device != b.device || a.device_id != b.device_id) return false;
   const auto* a_begin = static_cast<const char*>(a.data);
   const auto* b_begin = static_cast<const char*>(b.data);
-  return a_begin < b_begin + b.bytes() && b_begin < a_begin + a.bytes();
+  if (!(a_begin < b_begin + b.span_bytes() && b_begin < a_begin + a.span_bytes())) return false;
+  // Row by row where the layouts allow it; otherwise the spans meeting count as an overlap.
+  auto rows_view = [](const TensorView& v) {
+    return !v.is_dense() && (v.rank() == 2 || v.rank() == 3) && row_layout_problem(v).empty();
+  };
+  if (rows_view(a) && b.is_dense()) return rows_touch(a, b_begin - a_begin, b_begin - a_begin + b.bytes());
+  if (rows_view(b) && a.is_dense()) return rows_touch(b, a_begin - b_begin, a_begin - b_begin + a.bytes());
+  if (rows_view(a) && a.strides == b.strides && a.shape == b.shape && a.dtype == b.dtype)
+    return same_lattice_rows_overlap(a, b);
+  return true;
 }
 
 // The tensors of one call by name, in argument order: what it reads and what it writes.
@@ -115,8 +210,13 @@ void check_no_aliasing(const NamedViews& inputs, const NamedViews& outputs) {
   }
 }
 
+// Weights: row-strided views allowed (any non-overlapping outer strides). Weight gradients (`gradients`):
+// each may be left empty, and its GEMM is skipped (frozen experts); the kernels store a gradient as dense
+// [groups, rows, cols] matrices, so a given one is dense, or the routed gate and up gradients are the two
+// halves of one [El, 2I, H] tensor (one GEMM over [d_g | d_u] writes both).
 void check_weights(const Workspace& workspace, const Device& device, const std::string& prefix,
-                   const ExpertWeights& weights, bool shared, std::initializer_list<DType> dtypes) {
+                   const ExpertWeights& weights, bool shared, std::initializer_list<DType> dtypes,
+                   bool gradients = false) {
   const Shape& s = workspace.shape();
   if (shared && !s.has_shared_expert()) {
     check_optional_none(prefix + ".gate", weights.gate);
@@ -130,9 +230,35 @@ void check_weights(const Workspace& workspace, const Device& device, const std::
   const std::vector<int64_t> down_shape =
       shared ? std::vector<int64_t>{s.hidden, s.shared_intermediate}
              : std::vector<int64_t>{s.num_local_experts(), s.hidden, s.intermediate};
-  check_tensor(device, prefix + ".gate", weights.gate, dtypes, gate_shape);
-  check_tensor(device, prefix + ".up", weights.up, dtypes, gate_shape);
-  check_tensor(device, prefix + ".down", weights.down, dtypes, down_shape);
+  const std::pair<const char*, const TensorView*> tensors[] = {
+      {".gate", &weights.gate}, {".up", &weights.up}, {".down", &weights.down}};
+  for (const auto& [part, view] : tensors) {
+    if (gradients && view->is_none()) continue;
+    check_tensor(device, prefix + part, *view, dtypes, view == &weights.down ? down_shape : gate_shape,
+                 Layout::kRows);
+  }
+  if (!gradients) return;
+  auto dense = [](const TensorView& view) { return view.is_none() || view.is_dense(); };
+  POUNCE_CHECK(
+      dense(weights.down), "argument '", prefix, ".down' is ", weights.down.describe(),
+      ", a strided view; weight gradients are written as dense tensors (gate and up may also be the ",
+      "two halves of one [El, 2I, H] tensor): pass a contiguous down gradient");
+  const TensorView &gate = weights.gate, &up = weights.up;
+  if (dense(gate) && dense(up)) return;
+  POUNCE_CHECK(!shared, "arguments '", prefix, ".gate' and '", prefix,
+               ".up' must be dense: the shared expert's gradients are written as dense tensors (the halves ",
+               "of one [2Is, H] tensor are dense views already)");
+  const int64_t I = s.intermediate, H = s.hidden;
+  const std::vector<int64_t> halves = {2 * I * H, H, 1};
+  const bool halves_of_one =
+      !gate.is_none() && !up.is_none() && gate.strides == halves && up.strides == halves &&
+      gate.dtype == up.dtype &&
+      static_cast<const char*>(up.data) == static_cast<const char*>(gate.data) + I * H * size_of(gate.dtype);
+  POUNCE_CHECK(halves_of_one, "arguments '", prefix, ".gate' (", gate.is_none() ? "none" : gate.describe(),
+               ") and '", prefix, ".up' (", up.is_none() ? "none" : up.describe(),
+               "): weight gradients are written as dense tensors, or gate and up as the two halves of one [",
+               s.num_local_experts(), ", ", 2 * I, ", ", H, "] tensor (d_gate_up[:, :", I,
+               "] and d_gate_up[:, ", I, ":]); pass one of those layouts");
 }
 
 // The quantized routed weights, as pounce::quantize_weights_fp8 writes them (include/pounce/fp8.h).
@@ -222,11 +348,11 @@ void validate_backward_args(const Workspace& workspace, const BackwardArgs& args
   check_tensor(device, "d_x", args.d_x, {DType::kBF16}, {num_tokens, s.hidden});
   check_tensor(device, "d_topk_weights", args.d_topk_weights, {DType::kFP32}, {num_tokens, s.num_topk});
   if (args.accumulate_weight_grads) {  // main_grad accumulation is fp32 only
-    check_weights(workspace, device, "d_routed", args.d_routed, false, {DType::kFP32});
-    check_weights(workspace, device, "d_shared", args.d_shared, true, {DType::kFP32});
+    check_weights(workspace, device, "d_routed", args.d_routed, false, {DType::kFP32}, true);
+    check_weights(workspace, device, "d_shared", args.d_shared, true, {DType::kFP32}, true);
   } else {
-    check_weights(workspace, device, "d_routed", args.d_routed, false, {DType::kBF16, DType::kFP32});
-    check_weights(workspace, device, "d_shared", args.d_shared, true, {DType::kBF16, DType::kFP32});
+    check_weights(workspace, device, "d_routed", args.d_routed, false, {DType::kBF16, DType::kFP32}, true);
+    check_weights(workspace, device, "d_shared", args.d_shared, true, {DType::kBF16, DType::kFP32}, true);
   }
   NamedViews inputs = forward_inputs(args.inputs);
   inputs.push_back({"d_out", &args.d_out});
