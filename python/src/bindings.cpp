@@ -32,13 +32,21 @@ namespace {
 // released.
 class TensorArgs {
  public:
-  // An input (read-only memory is fine) or an output (must be writable).
-  TensorView input(nb::handle object, const std::string& name) { return take<nb::ro>(object, name); }
-  TensorView output(nb::handle object, const std::string& name) { return take<>(object, name); }
+  // An input (read-only memory is fine) or an output (must be writable). Dense unless `policy` says
+  // otherwise (weights and their gradients may be row-strided views: the halves of a fused gate_up tensor).
+  TensorView input(nb::handle object, const std::string& name, StridePolicy policy = StridePolicy::kDense) {
+    return take<nb::ro>(object, name, policy);
+  }
+  TensorView output(nb::handle object, const std::string& name, StridePolicy policy = StridePolicy::kDense) {
+    return take<>(object, name, policy);
+  }
 
   // (gate, up, down) from any sequence of three tensors; None = no weights (no shared expert). Fills
-  // `weights` one tensor at a time, so that a failure leaves the tensors before it converted.
-  void weights(nb::handle object, const std::string& name, bool is_output, ExpertWeights& weights) {
+  // `weights` one tensor at a time, so that a failure leaves the tensors before it converted. A None
+  // element stays empty: for gradients, one not to compute (frozen weights); for weights, a missing one
+  // (the layer's validation names it).
+  void weights(nb::handle object, const std::string& name, bool is_output, ExpertWeights& weights,
+               StridePolicy policy = StridePolicy::kDense) {
     if (object.is_none()) return;
     const bool is_sequence = nb::isinstance<nb::sequence>(object) && !nb::isinstance<nb::str>(object);
     if (!is_sequence || nb::len(object) != 3) {
@@ -53,7 +61,9 @@ class TensorArgs {
     };
     auto take_one = [&](Py_ssize_t i, const char* part, TensorView& view) {
       try {
-        view = is_output ? output(item(i), name + part) : input(item(i), name + part);
+        const nb::object element = item(i);
+        if (element.is_none()) return;
+        view = is_output ? output(element, name + part, policy) : input(element, name + part, policy);
       } catch (...) {
         view = placeholder();
         throw;
@@ -76,7 +86,7 @@ class TensorArgs {
   }
 
   template <typename... Constraints>
-  TensorView take(nb::handle object, const std::string& name) {
+  TensorView take(nb::handle object, const std::string& name, StridePolicy policy) {
     nb::ndarray<Constraints...> array;
     if (!nb::try_cast(object, array, /*convert=*/false)) {
       POUNCE_CHECK(!nb::hasattr(object, "requires_grad") || !nb::cast<bool>(object.attr("requires_grad")),
@@ -100,7 +110,7 @@ class TensorArgs {
     // Strides of a tensor without elements are arbitrary (numpy gives 0s); it is trivially dense.
     tensor.strides = array.size() == 0 ? nullptr : const_cast<int64_t*>(array.stride_ptr());
     tensor.byte_offset = 0;  // nanobind's data() already includes it
-    const TensorView view = TensorView::from_dlpack(tensor, name.c_str());
+    const TensorView view = TensorView::from_dlpack(tensor, name.c_str(), policy);
     if constexpr (sizeof...(Constraints) == 0) {
       outputs_.push_back(std::move(array));
     } else {
@@ -119,8 +129,8 @@ void forward_args(TensorArgs& tensors, ForwardArgs& args, nb::handle x, nb::hand
   args.topk_idx = tensors.input(topk_idx, "topk_idx");
   args.topk_weights = tensors.input(topk_weights, "topk_weights");
   POUNCE_CHECK(!routed.is_none(), "argument 'routed' is missing; pass (w_gate, w_up, w_down)");
-  tensors.weights(routed, "routed", false, args.routed);
-  tensors.weights(shared, "shared", false, args.shared);
+  tensors.weights(routed, "routed", false, args.routed, StridePolicy::kRowStrided);
+  tensors.weights(shared, "shared", false, args.shared, StridePolicy::kRowStrided);
 }
 
 // Converts the arguments, then runs the call with the GIL released. When a conversion fails on a CPU
@@ -289,6 +299,11 @@ void bind_types(nb::module_& m) {
           "validate", [](const Config& config, const Shape& shape) { validate(config, shape); }, "shape"_a)
       .def("__repr__", &config_repr);
   m.attr("BLOCK_M") = kBlockM;
+  // Capabilities the PyTorch layer checks: weights and routed gate/up gradients as views of a fused
+  // [El, 2I, H] gate_up tensor, read and written in place (no copies); weight gradients passed as None are
+  // skipped (frozen experts).
+  m.attr("supports_expert_stride") = true;
+  m.attr("supports_frozen_weight_grads") = true;
 }
 
 void bind_group_and_workspace(nb::module_& m) {
@@ -405,22 +420,23 @@ void bind_layer(nb::module_& m) {
               args.d_out = tensors.input(d_out, "d_out");
               args.d_x = tensors.output(d_x, "d_x");
               args.d_topk_weights = tensors.output(d_topk_weights, "d_topk_weights");
-              POUNCE_CHECK(!d_routed.is_none(),
-                           "argument 'd_routed' is missing; pass (d_w_gate, d_w_up, d_w_down)");
-              tensors.weights(d_routed, "d_routed", true, args.d_routed);
-              tensors.weights(d_shared, "d_shared", true, args.d_shared);
+              tensors.weights(d_routed, "d_routed", true, args.d_routed, StridePolicy::kRowStrided);
+              tensors.weights(d_shared, "d_shared", true, args.d_shared, StridePolicy::kRowStrided);
               args.accumulate_weight_grads = accumulate_weight_grads;
             },
             [&](const BackwardArgs& args) { backward(workspace, args, stream_pointer(stream)); });
       },
       "workspace"_a, "x"_a, "topk_idx"_a, "topk_weights"_a, "routed"_a, "d_out"_a, "d_x"_a,
-      "d_topk_weights"_a, "d_routed"_a, "shared"_a = nb::none(), "d_shared"_a = nb::none(),
+      "d_topk_weights"_a, "d_routed"_a.none(), "shared"_a = nb::none(), "d_shared"_a = nb::none(),
       "accumulate_weight_grads"_a = false, "stream"_a = 0,
       "Writes d_x [T,H] bf16, d_topk_weights [T,k] fp32 and the weight gradients (bf16 or fp32, shaped as "
       "the\n"
       "weights; added into fp32 tensors when accumulate_weight_grads) from d_out [T,H] bf16. The inputs "
       "must\n"
-      "be those of the forward whose context the workspace holds.");
+      "be those of the forward whose context the workspace holds. A weight gradient given as None (or\n"
+      "d_routed / d_shared None) is not computed: frozen weights cost no weight-gradient GEMM. The routed\n"
+      "gate and up gradients may be the halves of one [El,2I,H] tensor (d[:, :I], d[:, I:]), written in\n"
+      "place; weights may be row-strided views (the halves or interleaved rows of a fused gate_up).");
 
   m.def(
       "quantize_weights_fp8",

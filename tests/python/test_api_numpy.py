@@ -152,6 +152,47 @@ def test_deterministic_and_accumulate_weight_grads():
         np.testing.assert_array_equal(m, b + g)
 
 
+def test_fused_gate_up_views_in_place_and_frozen_weight_grads():
+    """transformers' fused gate_up [El,2I,H] passed as numpy views (gate = [:, :I], up = [:, I:]) and its
+    gradient written into one [El,2I,H] buffer: bitwise the separate tensors' results. Weight gradients
+    passed as None are not computed, and d_x stays bitwise the same."""
+    assert pounce._C.supports_expert_stride is True and pounce._C.supports_frozen_weight_grads is True
+    p = Problem(hidden=64, intermediate=64, num_experts=4, num_topk=2, shared_intermediate=64)
+    (data,) = make_ranks(p, [16], seed=9)
+    I = p.intermediate
+
+    def run(fused, frozen):
+        workspace = pounce.Workspace(pounce.Group.create_cpu(1)[0], shape_of(p, 16), config_of(p))
+        arrays = NumpyRank(data)
+        gate_up = np.concatenate(arrays.routed[:2], axis=1)
+        d_gate_up = np.full(gate_up.shape, np.nan, np.float32)
+        routed = (gate_up[:, :I], gate_up[:, I:], arrays.routed[2]) if fused else arrays.routed
+        d_routed = (d_gate_up[:, :I], d_gate_up[:, I:], arrays.d_routed[2]) if fused else arrays.d_routed
+        arrays.forward(workspace, routed=routed)
+        arrays.backward(workspace, routed=routed, d_routed=None if frozen else d_routed,
+                        d_shared=(None, None, arrays.d_shared[2]) if frozen else arrays.d_shared)
+        return arrays, d_gate_up
+
+    separate, _ = run(fused=False, frozen=False)
+    fused, d_gate_up = run(fused=True, frozen=False)
+    assert np.array_equal(fused.out, separate.out) and np.array_equal(fused.d_x, separate.d_x)
+    np.testing.assert_array_equal(d_gate_up, np.concatenate(separate.d_routed[:2], axis=1))
+    np.testing.assert_array_equal(fused.d_routed[2], separate.d_routed[2])
+    frozen, _ = run(fused=False, frozen=True)
+    assert np.array_equal(frozen.d_x, separate.d_x) and np.array_equal(frozen.d_topk_weights, separate.d_topk_weights)
+    assert all(np.isnan(g).all() for g in frozen.d_routed), "a frozen gradient was written"
+    assert np.isnan(frozen.d_shared[0]).all()
+    np.testing.assert_array_equal(frozen.d_shared[2], separate.d_shared[2])
+    # Other strided arguments stay rejected, naming the argument.
+    workspace = pounce.Workspace(pounce.Group.create_cpu(1)[0], shape_of(p, 16), config_of(p))
+    wide = np.zeros((16, 2 * p.hidden), np.uint16)
+    with pytest.raises(pounce.PounceError, match="'x' is not contiguous"):
+        separate.forward(workspace, x=wide[:, : p.hidden])
+    with pytest.raises(pounce.PounceError, match="last dimension"):
+        separate.forward(workspace, routed=(separate.routed[0].transpose(0, 2, 1).copy().transpose(0, 2, 1),)
+                         + separate.routed[1:])
+
+
 def test_recompute_forward_context_restores_another_forward():
     p = Problem(hidden=64, intermediate=64, num_experts=8, num_topk=2)
     (a,), (b,) = make_ranks(p, [20], seed=1), make_ranks(p, [12], seed=2)
