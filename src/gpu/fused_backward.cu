@@ -39,17 +39,22 @@ MlpOperands mlp_operands(const MlpBackward& m, int64_t H, const kernels::Activat
                          bool accumulate, int32_t* error_flag) {
   const int64_t I = m.intermediate;
   void* d_u = static_cast<char*>(m.d_gu) + I * 2;
-  MlpOperands o;
-  o.act_grad = kernels::activation_backward_operands(m.rows, m.dy, m.weights.down.data, m.g, m.u, m.d_gu, d_u,
-                                                     2 * I, I, H, activation);
-  o.data_grad =
-      kernels::transposed_operands(m.rows, m.d_gu, m.weights.gate.data, m.weights.up.data, I, m.dx, H, 2 * I);
-  o.down = kernels::weight_grad_operands(m.rows, m.dy, H, H, m.act, I, I, m.grads->down.data,
-                                         weight_grad_mode(m.grads->down, accumulate));
-  o.gate = kernels::weight_grad_operands(m.rows, m.d_gu, 2 * I, I, m.x, H, H, m.grads->gate.data,
-                                         weight_grad_mode(m.grads->gate, accumulate));
-  o.up = kernels::weight_grad_operands(m.rows, d_u, 2 * I, I, m.x, H, H, m.grads->up.data,
-                                       weight_grad_mode(m.grads->up, accumulate));
+  MlpOperands o{};
+  o.act_grad = kernels::activation_backward_operands(m.rows, m.dy, expert_slice(m.weights.down), m.g, m.u,
+                                                     m.d_gu, d_u, 2 * I, I, H, activation);
+  o.data_grad = kernels::transposed_operands(m.rows, m.d_gu, expert_slice(m.weights.gate),
+                                             expert_slice(m.weights.up), I, m.dx, H, 2 * I);
+  // A weight gradient not computed keeps m = 0: the task list then holds none of its tiles.
+  const WeightGradPlan plan = weight_grad_plan(*m.grads, I);
+  if (plan.down)
+    o.down = kernels::weight_grad_operands(m.rows, m.dy, H, H, m.act, I, I, m.grads->down.data,
+                                           weight_grad_mode(m.grads->down, accumulate));
+  if (plan.gate)
+    o.gate = kernels::weight_grad_operands(m.rows, m.d_gu, 2 * I, plan.gate_m, m.x, H, H, m.grads->gate.data,
+                                           weight_grad_mode(m.grads->gate, accumulate));
+  if (plan.up)
+    o.up = kernels::weight_grad_operands(m.rows, d_u, 2 * I, I, m.x, H, H, m.grads->up.data,
+                                         weight_grad_mode(m.grads->up, accumulate));
   for (kernels::GemmOperands* g : {&o.act_grad, &o.data_grad, &o.down, &o.gate, &o.up})
     g->args.error_flag = error_flag;
   return o;
@@ -125,11 +130,11 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
     params.shared_act_grad = shared.act_grad;
     params.shared_data_grad = shared.data_grad;
     if (p.has_ring()) {  // this macrobatch's forward rows, replayed inside the kernel where due
-      params.replay_gate_up =
-          kernels::gate_up_operands(kernels::GroupedRows{mb.rows_capacity, mb.group_row_offset,
-                                                         mb.num_local_experts, 0, nullptr, mb.group_rows},
-                                    mb.x_rows, args.inputs.routed.gate.data, args.inputs.routed.up.data,
-                                    mb.g_rows, mb.u_rows, mb.act_rows, I, H, activation);
+      params.replay_gate_up = kernels::gate_up_operands(
+          kernels::GroupedRows{mb.rows_capacity, mb.group_row_offset, mb.num_local_experts, 0, nullptr,
+                               mb.group_rows},
+          mb.x_rows, expert_slice(args.inputs.routed.gate), expert_slice(args.inputs.routed.up), mb.g_rows,
+          mb.u_rows, mb.act_rows, I, H, activation);
       params.replay_gate_up.args.error_flag = gemm_error;
       params.replay_row_offset = p.macrobatch(b, kernels::layout::MacrobatchRows::kReplay).group_row_offset;
     }

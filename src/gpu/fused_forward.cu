@@ -130,16 +130,17 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
   // them without one) and the rank's own token rows. The tiles take their expert from the scheduler
   // (find_routed_block), not from the offsets in the arguments.
   const kernels::GroupedRows routed{p.ring_rows, p.group_row_offset, El, 0, nullptr, p.group_rows};
-  params.gate_up = kernels::gate_up_operands(routed, p.x_rows, args.routed.gate.data, args.routed.up.data,
-                                             p.g_rows, p.u_rows, p.act_rows, I, H, launch.activation);
-  params.down = kernels::store_operands(routed, p.act_rows, args.routed.down.data, p.y_rows, H, I);
+  params.gate_up = kernels::gate_up_operands(routed, p.x_rows, expert_slice(args.routed.gate),
+                                             expert_slice(args.routed.up), p.g_rows, p.u_rows, p.act_rows, I,
+                                             H, launch.activation);
+  params.down = kernels::store_operands(routed, p.act_rows, expert_slice(args.routed.down), p.y_rows, H, I);
   if (Is > 0) {
     const kernels::GroupedRows shared{p.token_capacity, p.shared_row_offset, 1, 0};
-    params.shared_gate_up = kernels::gate_up_operands(shared, p.local_sym<const void>(p.sym_x),
-                                                      args.shared.gate.data, args.shared.up.data, p.shared_g,
-                                                      p.shared_u, p.shared_act, Is, H, launch.activation);
+    params.shared_gate_up = kernels::gate_up_operands(
+        shared, p.local_sym<const void>(p.sym_x), expert_slice(args.shared.gate),
+        expert_slice(args.shared.up), p.shared_g, p.shared_u, p.shared_act, Is, H, launch.activation);
     params.shared_down =
-        kernels::store_operands(shared, p.shared_act, args.shared.down.data, p.shared_y, H, Is);
+        kernels::store_operands(shared, p.shared_act, expert_slice(args.shared.down), p.shared_y, H, Is);
   } else {  // never read: the task list has no shared tiles
     params.shared_gate_up = params.gate_up;
     params.shared_down = params.down;

@@ -95,8 +95,9 @@ inline constexpr int kBarrierThreads = 128;
 inline constexpr int kCopyThreads = 256;  // blocks of the copy-style stage kernels (num_sms * 4 of them)
 bool aligned_16(const void* pointer);
 kernels::ActivationParams activation_params(const Activation& activation);
-// Routed weights [El, a, b] from local expert `first_expert` on.
-const void* expert_slice(const TensorView& weights, int64_t first_expert);
+// Weights [El, a, b] (or a shared expert's [a, b]) from local expert `first_expert` on, at the view's strides
+// (weights may be row-strided views, e.g. the halves of a fused gate_up tensor).
+kernels::WeightRows expert_slice(const TensorView& weights, int64_t first_expert = 0);
 // Throws naming `name` unless every non-null tensor of `weights` is 16-byte aligned (TMA needs it).
 void check_weights_aligned(const ExpertWeights& weights, const char* name);
 void launch_barrier(const kernels::layout::WorkspacePointers& p, kernels::layout::WaitId which,

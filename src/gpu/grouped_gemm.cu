@@ -118,18 +118,23 @@ CUtensorMap matrix_map(const void* base, int64_t rows, int64_t cols, int64_t ld,
   return make_bf16_tensor_map_sw128(spec);
 }
 
-// num_groups dense [rows, cols] matrices back to back, as a 3-D map so a box past the edge reads zeros
-// instead of the next group's values.
-CUtensorMap grouped_matrix_map(const void* base, int num_groups, int64_t rows, int64_t cols,
-                               uint32_t box_cols, uint32_t box_rows) {
+// num_groups [rows, cols] matrices (dense, or at w's strides), as a 3-D map so a box past the edge reads
+// zeros instead of the next group's values (or whatever lies between a view's rows).
+CUtensorMap grouped_matrix_map(WeightRows w, int num_groups, int64_t rows, int64_t cols, uint32_t box_cols,
+                               uint32_t box_rows) {
+  const int64_t row_stride = w.row_stride > 0 ? w.row_stride : cols;
+  const int64_t group_stride = w.group_stride > 0 ? w.group_stride : rows * cols;
+  POUNCE_CHECK(row_stride >= cols && group_stride > 0, "weight strides (group ", group_stride, ", row ",
+               row_stride, ") do not hold ", rows, " x ", cols,
+               " matrices; fix: pass the view's own strides");
   Bf16TensorMapSpec spec;
-  spec.base = base;
+  spec.base = w.data;
   spec.rank = 3;
   spec.dims[0] = static_cast<uint64_t>(cols);
   spec.dims[1] = static_cast<uint64_t>(rows);
   spec.dims[2] = static_cast<uint64_t>(num_groups);
-  spec.strides_bytes[0] = static_cast<uint64_t>(cols) * 2;
-  spec.strides_bytes[1] = static_cast<uint64_t>(rows) * static_cast<uint64_t>(cols) * 2;
+  spec.strides_bytes[0] = static_cast<uint64_t>(row_stride) * 2;
+  spec.strides_bytes[1] = static_cast<uint64_t>(group_stride) * 2;
   spec.box[0] = box_cols;
   spec.box[1] = box_rows;
   spec.box[2] = 1;
@@ -147,12 +152,12 @@ CUtensorMap transposed_activation_map(const GroupedRows& rows, const void* a, in
 }
 
 // Weights [num_groups, n, k], K-major tiles of box_rows x BLOCK_K.
-CUtensorMap weight_map(const void* w, int num_groups, int64_t n, int64_t k, uint32_t box_rows) {
+CUtensorMap weight_map(WeightRows w, int num_groups, int64_t n, int64_t k, uint32_t box_rows) {
   return grouped_matrix_map(w, num_groups, n, k, GemmConfig::BLOCK_K, box_rows);
 }
 
 // Weights [num_groups, rows, cols] read transposed: boxes of 64 contiguous columns x BLOCK_K rows.
-CUtensorMap transposed_weight_map(const void* w, int num_groups, int64_t rows, int64_t cols) {
+CUtensorMap transposed_weight_map(WeightRows w, int num_groups, int64_t rows, int64_t cols) {
   return grouped_matrix_map(w, num_groups, rows, cols, GemmConfig::kBoxMN, GemmConfig::BLOCK_K);
 }
 
@@ -225,14 +230,14 @@ CUtensorMap activation_rows_map(const void* a, int64_t rows, int64_t k) {
   return matrix_map(a, rows, k, k, GemmConfig::BLOCK_K, GemmConfig::BLOCK_M);
 }
 
-CUtensorMap weight_rows_map(const void* w, int num_groups, int64_t n, int64_t k, uint32_t box_rows) {
+CUtensorMap weight_rows_map(WeightRows w, int num_groups, int64_t n, int64_t k, uint32_t box_rows) {
   return weight_map(w, num_groups, n, k, box_rows);
 }
 
-GemmOperands store_operands(const GroupedRows& rows, const void* a, const void* b, void* c, int64_t n,
+GemmOperands store_operands(const GroupedRows& rows, const void* a, WeightRows b, void* c, int64_t n,
                             int64_t k) {
   check_common(rows, a, n, k);
-  check_output(b, "b");
+  check_output(b.data, "b");
   check_output(c, "c");
   GemmOperands o{};
   o.args = base_args(rows, n, k);
@@ -243,12 +248,12 @@ GemmOperands store_operands(const GroupedRows& rows, const void* a, const void* 
   return o;
 }
 
-GemmOperands gate_up_operands(const GroupedRows& rows, const void* a, const void* w_gate, const void* w_up,
+GemmOperands gate_up_operands(const GroupedRows& rows, const void* a, WeightRows w_gate, WeightRows w_up,
                               void* g, void* u, void* act, int64_t n, int64_t k,
                               const ActivationParams& activation) {
   check_common(rows, a, n, k);
-  check_output(w_gate, "w_gate");
-  check_output(w_up, "w_up");
+  check_output(w_gate.data, "w_gate");
+  check_output(w_up.data, "w_up");
   check_output(g, "g");
   check_output(u, "u");
   check_output(act, "act");
@@ -269,11 +274,11 @@ GemmOperands gate_up_operands(const GroupedRows& rows, const void* a, const void
   return o;
 }
 
-GemmOperands activation_backward_operands(const GroupedRows& rows, const void* a, const void* w,
-                                          const void* g, const void* u, void* d_g, void* d_u, int64_t d_ld,
-                                          int64_t n, int64_t k, const ActivationParams& activation) {
+GemmOperands activation_backward_operands(const GroupedRows& rows, const void* a, WeightRows w, const void* g,
+                                          const void* u, void* d_g, void* d_u, int64_t d_ld, int64_t n,
+                                          int64_t k, const ActivationParams& activation) {
   check_common(rows, a, n, k);
-  check_output(w, "w");
+  check_output(w.data, "w");
   check_output(g, "g");
   check_output(u, "u");
   check_output(d_g, "d_g");
@@ -293,14 +298,14 @@ GemmOperands activation_backward_operands(const GroupedRows& rows, const void* a
   return o;
 }
 
-GemmOperands transposed_operands(const GroupedRows& rows, const void* a, const void* b0, const void* b1,
+GemmOperands transposed_operands(const GroupedRows& rows, const void* a, WeightRows b0, WeightRows b1,
                                  int64_t k_split, void* c, int64_t n, int64_t k) {
   check_common(rows, a, n, k);
-  check_output(b0, "b0");
+  check_output(b0.data, "b0");
   check_output(c, "c");
   POUNCE_CHECK(k_split > 0 && k_split <= k && k_split % GemmConfig::BLOCK_K == 0, "k_split = ", k_split,
                " must be a positive multiple of ", GemmConfig::BLOCK_K, " and <= k = ", k);
-  POUNCE_CHECK(k_split == k || b1 != nullptr, "b1 is null but k_split = ", k_split, " < k = ", k);
+  POUNCE_CHECK(k_split == k || b1.data != nullptr, "b1 is null but k_split = ", k_split, " < k = ", k);
   GemmOperands o{};
   o.args = base_args(rows, n, k);
   o.args.k_split = static_cast<int32_t>(k_split);
@@ -335,14 +340,14 @@ GemmOperands weight_grad_operands(const GroupedRows& rows, const void* a, int64_
   return o;
 }
 
-void grouped_gemm(const GroupedRows& rows, const void* a, const void* b, void* c, int64_t n, int64_t k,
+void grouped_gemm(const GroupedRows& rows, const void* a, WeightRows b, void* c, int64_t n, int64_t k,
                   cudaStream_t stream) {
   const GemmOperands operands = store_operands(rows, a, b, c, n, k);
   if (rows.max_rows == 0) return;
   launch<KernelKind::kForwardStore>(operands, row_tiles(rows, n, GemmConfig::BLOCK_N), rows.max_ctas, stream);
 }
 
-void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate, const void* w_up, void* g,
+void grouped_gate_up(const GroupedRows& rows, const void* a, WeightRows w_gate, WeightRows w_up, void* g,
                      void* u, void* act, int64_t n, int64_t k, const ActivationParams& activation,
                      cudaStream_t stream) {
   const GemmOperands operands = gate_up_operands(rows, a, w_gate, w_up, g, u, act, n, k, activation);
@@ -351,7 +356,7 @@ void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate,
                                      stream);
 }
 
-void grouped_activation_backward(const GroupedRows& rows, const void* a, const void* w, const void* g,
+void grouped_activation_backward(const GroupedRows& rows, const void* a, WeightRows w, const void* g,
                                  const void* u, void* d_g, void* d_u, int64_t d_ld, int64_t n, int64_t k,
                                  const ActivationParams& activation, cudaStream_t stream,
                                  TileSchedule schedule) {
@@ -369,7 +374,7 @@ void grouped_activation_backward(const GroupedRows& rows, const void* a, const v
                   row_tiles(rows, n, gemm::PingPongConfig::TILE_N), rows.max_ctas, stream);
 }
 
-void grouped_gemm_transposed(const GroupedRows& rows, const void* a, const void* b0, const void* b1,
+void grouped_gemm_transposed(const GroupedRows& rows, const void* a, WeightRows b0, WeightRows b1,
                              int64_t k_split, void* c, int64_t n, int64_t k, cudaStream_t stream) {
   const GemmOperands operands = transposed_operands(rows, a, b0, b1, k_split, c, n, k);
   if (rows.max_rows == 0) return;

@@ -21,14 +21,28 @@
 
 namespace pounce::kernels {
 
+// A weight operand in device memory: num_groups matrices of rows x cols bf16 (rows, cols as the GEMM names
+// them), row r of group g at data + g * group_stride + r * row_stride elements, each row contiguous. A zero
+// stride is the dense one (rows * cols, cols); a pointer alone is a dense operand. Strided: views of a larger
+// tensor read in place, e.g. the halves of transformers' fused gate_up [E, 2I, H] (group stride 2I * H) or
+// its interleaved rows (row stride 2H). Strides must be multiples of 8 elements (16 bytes, for TMA).
+struct WeightRows {
+  const void* data = nullptr;
+  int64_t group_stride = 0;
+  int64_t row_stride = 0;
+  WeightRows() = default;
+  WeightRows(const void* data, int64_t group_stride = 0, int64_t row_stride = 0)  // implicit: a dense pointer
+      : data(data), group_stride(group_stride), row_stride(row_stride) {}
+};
+
 // C[rows, n] = A[rows, k] . B[group(row)][n, k]^T. Rows at or beyond group_row_offset[num_groups] are not
 // touched. n and k multiples of 64; a, b, c 16-byte aligned. Throws pounce::Error on invalid arguments.
-void grouped_gemm(const GroupedRows& rows, const void* a, const void* b, void* c, int64_t n, int64_t k,
+void grouped_gemm(const GroupedRows& rows, const void* a, WeightRows b, void* c, int64_t n, int64_t k,
                   cudaStream_t stream);
 
 // Gate/up with fused activation; gate and up tiles of the same output columns are computed in one CTA.
 // Writes g and u (saved for backward) and act, each [rows, n] bf16.
-void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate, const void* w_up, void* g,
+void grouped_gate_up(const GroupedRows& rows, const void* a, WeightRows w_gate, WeightRows w_up, void* g,
                      void* u, void* act, int64_t n, int64_t k, const ActivationParams& activation,
                      cudaStream_t stream);
 
@@ -45,7 +59,7 @@ void grouped_gate_up(const GroupedRows& rows, const void* a, const void* w_gate,
 inline TileSchedule activation_backward_schedule_for(const ActivationParams& activation) {
   return activation.kind == kActivationGptOss ? TileSchedule::kPingPong : TileSchedule::kCooperative;
 }
-void grouped_activation_backward(const GroupedRows& rows, const void* a, const void* w, const void* g,
+void grouped_activation_backward(const GroupedRows& rows, const void* a, WeightRows w, const void* g,
                                  const void* u, void* d_g, void* d_u, int64_t d_ld, int64_t n, int64_t k,
                                  const ActivationParams& activation, cudaStream_t stream,
                                  TileSchedule schedule);
@@ -53,7 +67,7 @@ void grouped_activation_backward(const GroupedRows& rows, const void* a, const v
 // C[rows, n] = A[rows, k] . B[group(row)] where B's K rows [0, k_split) come from b0 [num_groups, k_split, n]
 // and [k_split, k) from b1 [num_groups, k - k_split, n] (d_x = [d_g, d_u] . [w_gate; w_up]); b1 may be null
 // when k_split == k. k_split a multiple of 64.
-void grouped_gemm_transposed(const GroupedRows& rows, const void* a, const void* b0, const void* b1,
+void grouped_gemm_transposed(const GroupedRows& rows, const void* a, WeightRows b0, WeightRows b1,
                              int64_t k_split, void* c, int64_t n, int64_t k, cudaStream_t stream);
 
 // Per group g: D[g][m, n] = sum over rows r in [offset[g], offset[g+1]) of A[r, 0:m]^T B[r, 0:n], fp32

@@ -42,9 +42,30 @@ inline kernels::WeightGradMode weight_grad_mode(const TensorView& grad, bool acc
 inline ExpertWeights as_one_expert(const ExpertWeights& w) {
   ExpertWeights one = w;
   for (TensorView* t : {&one.gate, &one.up, &one.down}) {
-    if (t->shape.size() == 2) t->shape.insert(t->shape.begin(), 1);
+    if (t->shape.size() != 2) continue;
+    if (!t->strides.empty()) t->strides.insert(t->strides.begin(), t->shape[0] * t->strides[0]);
+    t->shape.insert(t->shape.begin(), 1);
   }
   return one;
+}
+
+// The weight-gradient GEMMs of one backward: a gradient left empty (frozen weights) gets none. Routed gate
+// and up gradients given as the two halves of one [El, 2I, H] tensor (the only strided gradients validation
+// lets through) come from one GEMM over the [d_g | d_u] rows, m = 2I, stored from the gate half's base: the
+// whole tensor's.
+struct WeightGradPlan {
+  bool down = false, gate = false, up = false;
+  int64_t gate_m = 0;  // output rows of the gate GEMM: I, or 2I for the halves
+};
+
+inline WeightGradPlan weight_grad_plan(const ExpertWeights& grads, int64_t intermediate) {
+  const bool halves = !grads.gate.is_none() && !grads.gate.is_dense();
+  WeightGradPlan plan;
+  plan.down = !grads.down.is_none();
+  plan.gate = !grads.gate.is_none();
+  plan.up = !grads.up.is_none() && !halves;
+  plan.gate_m = halves ? 2 * intermediate : intermediate;
+  return plan;
 }
 
 // The shared expert on this rank's own rows: sym_x and sym_d_out, T padded to 128 with zero rows.

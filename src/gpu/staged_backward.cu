@@ -55,14 +55,18 @@ void launch_mlp_weight_grads(const MlpBackward& m, int64_t H, bool accumulate, i
                              cudaStream_t stream) {
   const int64_t I = m.intermediate;
   const void* d_u = static_cast<const char*>(m.d_gu) + I * 2;
-  kernels::grouped_weight_grad(m.rows, m.dy, H, H, m.act, I, I, m.grads->down.data,
-                               weight_grad_mode(m.grads->down, accumulate), stream, m.weight_grad_schedule);
+  const WeightGradPlan plan = weight_grad_plan(*m.grads, I);
+  if (plan.down)
+    kernels::grouped_weight_grad(m.rows, m.dy, H, H, m.act, I, I, m.grads->down.data,
+                                 weight_grad_mode(m.grads->down, accumulate), stream, m.weight_grad_schedule);
   kernels::GroupedRows later = m.rows;
   later.max_ctas = later_ctas;
-  kernels::grouped_weight_grad(later, m.d_gu, 2 * I, I, m.x, H, H, m.grads->gate.data,
-                               weight_grad_mode(m.grads->gate, accumulate), stream, m.weight_grad_schedule);
-  kernels::grouped_weight_grad(later, d_u, 2 * I, I, m.x, H, H, m.grads->up.data,
-                               weight_grad_mode(m.grads->up, accumulate), stream, m.weight_grad_schedule);
+  if (plan.gate)
+    kernels::grouped_weight_grad(later, m.d_gu, 2 * I, plan.gate_m, m.x, H, H, m.grads->gate.data,
+                                 weight_grad_mode(m.grads->gate, accumulate), stream, m.weight_grad_schedule);
+  if (plan.up)
+    kernels::grouped_weight_grad(later, d_u, 2 * I, I, m.x, H, H, m.grads->up.data,
+                                 weight_grad_mode(m.grads->up, accumulate), stream, m.weight_grad_schedule);
 }
 
 }  // namespace
@@ -124,9 +128,9 @@ void launch_forward_replay(GpuWorkspace& workspace, const BackwardArgs& args,
       <<<workspace.num_sms, kCommThreads, 0, stream>>>(replay, 0, El);
   const kernels::GroupedRows rows{replay.rows_capacity, replay.group_row_offset, El, 0, nullptr,
                                   replay.group_rows};
-  kernels::grouped_gate_up(rows, replay.x_rows, args.inputs.routed.gate.data, args.inputs.routed.up.data,
-                           replay.g_rows, replay.u_rows, replay.act_rows, replay.intermediate, replay.hidden,
-                           activation, stream);
+  kernels::grouped_gate_up(rows, replay.x_rows, expert_slice(args.inputs.routed.gate),
+                           expert_slice(args.inputs.routed.up), replay.g_rows, replay.u_rows, replay.act_rows,
+                           replay.intermediate, replay.hidden, activation, stream);
   POUNCE_CUDA(cudaGetLastError());
 }
 

@@ -37,9 +37,12 @@ bool aligned_16(const void* pointer) {
   return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
 }
 
-const void* expert_slice(const TensorView& weights, int64_t first_expert) {
-  const int64_t per_expert = weights.shape[1] * weights.shape[2];
-  return static_cast<const char*>(weights.data) + first_expert * per_expert * size_of(weights.dtype);
+kernels::WeightRows expert_slice(const TensorView& weights, int64_t first_expert) {
+  const int64_t rank = weights.rank();
+  const int64_t row_stride = weights.stride(rank - 2);
+  const int64_t group_stride = rank == 3 ? weights.stride(0) : weights.shape[0] * row_stride;
+  return {static_cast<const char*>(weights.data) + first_expert * group_stride * size_of(weights.dtype),
+          group_stride, row_stride};
 }
 
 void check_weights_aligned(const ExpertWeights& weights, const char* name) {
@@ -166,9 +169,9 @@ void launch_macrobatch_forward(GpuWorkspace& workspace, const ForwardArgs& args,
   if (with_shared && Is > 0 && launch.num_tokens > 0) {  // own rows: sym_x, T padded to 128 with zero rows
     const kernels::GroupedRows shared{mb.token_capacity, mb.shared_row_offset, 1, overlap.gemm_ctas()};
     const void* sym_x = mb.local_sym<const void>(mb.sym_x);
-    kernels::grouped_gate_up(shared, sym_x, args.shared.gate.data, args.shared.up.data, mb.shared_g,
-                             mb.shared_u, mb.shared_act, Is, H, activation, stream);
-    kernels::grouped_gemm(shared, mb.shared_act, args.shared.down.data, mb.shared_y, H, Is, stream);
+    kernels::grouped_gate_up(shared, sym_x, expert_slice(args.shared.gate), expert_slice(args.shared.up),
+                             mb.shared_g, mb.shared_u, mb.shared_act, Is, H, activation, stream);
+    kernels::grouped_gemm(shared, mb.shared_act, expert_slice(args.shared.down), mb.shared_y, H, Is, stream);
   }
   if (with_shared) timer.mark("shared");
   for (int c = 0; c < overlap.num_chunks(); ++c) {
