@@ -9,6 +9,8 @@
 namespace pounce {
 
 // Routed weights: gate/up [El, I, H], down [El, H, I]. Shared weights: gate/up [Is, H], down [H, Is].
+// Weights may be row-strided views read in place (TensorView::strides), such as the halves of a fused
+// gate_up [El, 2I, H] (gate = [:, :I], up = [:, I:]) or its interleaved rows (docs/design.md §5).
 struct ExpertWeights {
   TensorView gate;
   TensorView up;
@@ -32,8 +34,10 @@ struct BackwardArgs {
   TensorView d_out;           // [T, H] bf16
   TensorView d_x;             // [T, H] bf16, written
   TensorView d_topk_weights;  // [T, k] fp32, written: <d_out[t], y[t, j]>, no division by the weight
-  ExpertWeights d_routed;     // dtype bf16 or fp32; shapes as the weights
-  ExpertWeights d_shared;     // same; empty when there is no shared expert
+  // dtype bf16 or fp32; shapes as the weights. Dense, or gate and up as the two halves of one [El, 2I, H]
+  // tensor (written in place). A gradient left empty is not computed (frozen weights: no GEMM runs for it).
+  ExpertWeights d_routed;
+  ExpertWeights d_shared;                // same (dense only); empty when there is no shared expert
   bool accumulate_weight_grads = false;  // add into fp32 tensors (main_grad) instead of overwriting
 };
 
