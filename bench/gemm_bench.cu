@@ -4,6 +4,9 @@
 // kIters launches timed one by one with CUDA events; prints the median time and TFLOP/s counted as
 // 2 * rows * n * k per GEMM (gate/up counts both GEMMs). Weights exceed L2 for the large cases, so no
 // input rotation is needed. Usage: pounce_gemm_bench [filter-substring]
+// With --fp8: the FP8 kinds (src/gpu/fp8_gemm.h), each launch alternated with the bf16 kind of the same
+// shape and FLOPs, and their ratio (gate/up: the FP8 gate/up kind against the bf16 one's two
+// GEMMs with the activation; the FP8 one also quantizes a, and does not store a in bf16).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -15,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "src/gpu/fp8_gemm.h"
 #include "src/gpu/grouped_gemm.h"
 
 namespace {
@@ -215,10 +219,190 @@ void run_case(const Case& c) {
   cudaEventDestroy(stop);
 }
 
+// ---- FP8 against bf16 ------------------------------------------------------------------------------------
+
+enum class Fp8Kind { kGateUp, kStore, kPair, kWeightGrad };
+struct Fp8Case {
+  const char* name;
+  std::vector<int32_t> rows_per_group;
+  int64_t n, k;  // kGateUp: n = I (the FP8 GEMM runs n = 2I); kPair: k = 2I, two halves; wgrad: [n, k]
+  Fp8Kind kind;
+};
+
+// e4m3 bytes from a random pattern with the exponent's top bit cleared (|v| < 2, never NaN).
+void fill_random_e4m3(uint8_t* dst, size_t count) {
+  constexpr size_t kPattern = 1 << 20;
+  static std::vector<uint8_t> pattern = [] {
+    std::mt19937 gen(11);
+    std::vector<uint8_t> p(kPattern);
+    for (auto& v : p) v = static_cast<uint8_t>(gen() & 0xBFu);
+    return p;
+  }();
+  const size_t first = std::min(count, kPattern);
+  BENCH_CUDA(cudaMemcpy(dst, pattern.data(), first, cudaMemcpyHostToDevice));
+  for (size_t done = first; done < count;) {
+    const size_t chunk = std::min(done, count - done);
+    BENCH_CUDA(cudaMemcpy(dst + done, dst, chunk, cudaMemcpyDeviceToDevice));
+    done += chunk;
+  }
+}
+
+float* power_of_two_scales(size_t count) {
+  std::vector<float> host(count);
+  for (size_t i = 0; i < count; ++i) host[i] = std::ldexp(1.0f, static_cast<int>(i % 7) - 3);
+  float* d = nullptr;
+  BENCH_CUDA(cudaMalloc(&d, count * 4 + 16));
+  BENCH_CUDA(cudaMemcpy(d, host.data(), count * 4, cudaMemcpyHostToDevice));
+  return d;
+}
+
+void run_fp8_case(const Fp8Case& c) {
+  std::vector<int32_t> off(c.rows_per_group.size() + 1, 0);
+  for (size_t g = 0; g < c.rows_per_group.size(); ++g) off[g + 1] = off[g] + c.rows_per_group[g];
+  const int64_t rows = off.back();
+  const int groups = static_cast<int>(c.rows_per_group.size());
+  const int64_t fp8_n = c.kind == Fp8Kind::kGateUp ? 2 * c.n : c.n;
+  const size_t big = static_cast<size_t>(std::max<int64_t>(fp8_n, c.k));
+  // Every operand sized for the largest use: activations [rows, max(n, k)], weights [groups, 2n or n, k].
+  const size_t act_count = static_cast<size_t>(rows) * big;
+  const size_t w_count = static_cast<size_t>(groups) * fp8_n * c.k;
+  uint8_t *qa, *qb;
+  uint16_t *a16, *w16a, *w16b, *o0, *o1, *o2;
+  int32_t* d_off;
+  BENCH_CUDA(cudaMalloc(&qa, act_count));
+  BENCH_CUDA(cudaMalloc(&qb, std::max(w_count, act_count)));
+  BENCH_CUDA(cudaMalloc(&a16, act_count * 2));
+  BENCH_CUDA(cudaMalloc(&w16a, std::max(w_count, act_count) * 2));
+  BENCH_CUDA(cudaMalloc(&w16b, std::max(w_count, act_count) * 2));
+  for (uint16_t** o : {&o0, &o1, &o2}) BENCH_CUDA(cudaMalloc(o, std::max(act_count, w_count) * 2));
+  fill_random_e4m3(qa, act_count);
+  fill_random_e4m3(qb, std::max(w_count, act_count));
+  fill_random(a16, act_count);
+  fill_random(w16a, std::max(w_count, act_count));
+  fill_random(w16b, std::max(w_count, act_count));
+  fill_random(o1, std::max(act_count, w_count));
+  fill_random(o2, std::max(act_count, w_count));
+  float* a_scale = power_of_two_scales(static_cast<size_t>((big + 127) / 128 + 1) * (rows + big + 4));
+  float* b_scale =
+      power_of_two_scales(static_cast<size_t>(groups) * ((fp8_n + 127) / 128) * ((c.k + 127) / 128) +
+                          static_cast<size_t>((rows + 127) / 128) * (big + 4));
+  float* out_scale = power_of_two_scales(static_cast<size_t>((c.n + 127) / 128) * rows);
+  BENCH_CUDA(cudaMalloc(&d_off, off.size() * 4));
+  BENCH_CUDA(cudaMemcpy(d_off, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
+  const pounce::kernels::GroupedRows grouped{rows, d_off, groups};
+  const pounce::kernels::ActivationParams act{pounce::kernels::kActivationSwiGLU, 7.0f, 1.0f};
+  using pounce::kernels::Fp8Columns;
+  using pounce::kernels::Fp8Matrices;
+  using pounce::kernels::Fp8Rows;
+  auto launch = [&](bool fp8) {
+    switch (c.kind) {
+      case Fp8Kind::kGateUp:
+      case Fp8Kind::kStore:
+        if (fp8 && c.kind == Fp8Kind::kGateUp) {  // g, u, and a's FP8 copy (no bf16 a)
+          pounce::kernels::fp8_grouped_gate_up(
+              grouped, Fp8Rows{qa, a_scale, rows}, Fp8Matrices{qb, b_scale},
+              Fp8Matrices{qb + static_cast<size_t>(groups) * c.n * c.k, b_scale}, o0, o1, nullptr,
+              pounce::kernels::Fp8Activation{o2, out_scale, rows}, c.n, c.k, act, nullptr);
+        } else if (fp8) {
+          pounce::kernels::fp8_grouped_gemm(grouped, Fp8Rows{qa, a_scale, rows}, Fp8Matrices{qb, b_scale}, o0,
+                                            fp8_n, c.k, nullptr);
+        } else if (c.kind == Fp8Kind::kGateUp) {
+          pounce::kernels::grouped_gate_up(grouped, a16, w16a, w16b, o0, o1, o2, c.n, c.k, act, nullptr);
+        } else {
+          pounce::kernels::grouped_gemm(grouped, a16, w16a, o0, c.n, c.k, nullptr);
+        }
+        break;
+      case Fp8Kind::kPair:
+        if (fp8) {
+          const int64_t half = c.k / 2;
+          pounce::kernels::fp8_grouped_gemm_pair(
+              grouped, Fp8Rows{qa, a_scale, rows}, Fp8Matrices{qb, b_scale}, half,
+              Fp8Rows{qa + rows * half, a_scale, rows},
+              Fp8Matrices{qb + static_cast<size_t>(groups) * c.n * half, b_scale}, half, o0, c.n, nullptr);
+        } else {
+          pounce::kernels::grouped_gemm_transposed(grouped, a16, w16a, w16b, c.k / 2, o0, c.n, c.k, nullptr);
+        }
+        break;
+      case Fp8Kind::kWeightGrad:
+        if (fp8) {
+          pounce::kernels::fp8_grouped_weight_grad(grouped, Fp8Columns{qa, rows, a_scale, c.n + 4}, c.n,
+                                                   Fp8Columns{qb, rows, b_scale, c.k + 4}, c.k, o0,
+                                                   pounce::kernels::WeightGradMode::kStoreBf16, nullptr);
+        } else {
+          pounce::kernels::grouped_weight_grad(grouped, a16, c.n, c.n, o1, c.k, c.k, o0,
+                                               pounce::kernels::WeightGradMode::kStoreBf16, nullptr,
+                                               pounce::kernels::weight_grad_schedule_for(rows / groups));
+        }
+        break;
+    }
+  };
+  cudaEvent_t start, stop;
+  BENCH_CUDA(cudaEventCreate(&start));
+  BENCH_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < kWarmup; ++i) launch(true), launch(false);
+  std::vector<float> ms[2];
+  for (auto& m : ms) m.resize(kIters);
+  for (int i = 0; i < kIters; ++i) {
+    for (int v = 0; v < 2; ++v) {  // alternated: FP8, then bf16
+      BENCH_CUDA(cudaEventRecord(start));
+      launch(v == 0);
+      BENCH_CUDA(cudaEventRecord(stop));
+      BENCH_CUDA(cudaEventSynchronize(stop));
+      BENCH_CUDA(cudaEventElapsedTime(&ms[v][i], start, stop));
+    }
+  }
+  const double flops = 2.0 * rows * fp8_n * c.k;
+  const int32_t err =
+      pounce::kernels::fp8_gemm_error_code(true) | pounce::kernels::grouped_gemm_error_code(true);
+  double median[2];
+  for (int v = 0; v < 2; ++v) {
+    std::sort(ms[v].begin(), ms[v].end());
+    median[v] = ms[v][kIters / 2];
+  }
+  std::printf("| %-30s | %4d | %7lld | %5lld | %5lld | %8.3f | %7.1f | %8.3f | %7.1f | %5.2fx | %s |\n",
+              c.name, groups, static_cast<long long>(rows), static_cast<long long>(fp8_n),
+              static_cast<long long>(c.k), median[0], flops / (median[0] * 1e-3) / 1e12, median[1],
+              flops / (median[1] * 1e-3) / 1e12, median[1] / median[0], err == 0 ? "ok" : "WAIT-TIMEOUT");
+  for (void* p : {static_cast<void*>(qa), static_cast<void*>(qb), static_cast<void*>(a16),
+                  static_cast<void*>(w16a), static_cast<void*>(w16b), static_cast<void*>(o0),
+                  static_cast<void*>(o1), static_cast<void*>(o2), static_cast<void*>(a_scale),
+                  static_cast<void*>(b_scale), static_cast<void*>(out_scale), static_cast<void*>(d_off)})
+    cudaFree(p);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+}
+
+int run_fp8_cases(const std::string& filter) {
+  // 512 rows per expert: what an EP2 rank of deepseek-v3 receives at 8192 tokens per rank.
+  const std::vector<Fp8Case> cases = {
+      {"deepseek-v3 gate_up", balanced(128, 512), 2048, 7168, Fp8Kind::kGateUp},
+      {"deepseek-v3 down", balanced(128, 512), 7168, 2048, Fp8Kind::kStore},
+      {"deepseek-v3 d_a", balanced(128, 512), 2048, 7168, Fp8Kind::kStore},
+      {"deepseek-v3 d_x", balanced(128, 512), 7168, 4096, Fp8Kind::kPair},
+      {"deepseek-v3 wgrad down", balanced(128, 512), 7168, 2048, Fp8Kind::kWeightGrad},
+      {"deepseek-v3 wgrad gate", balanced(128, 512), 2048, 7168, Fp8Kind::kWeightGrad},
+      {"gpt-oss-120b gate_up", balanced(64, 512), 2880, 2880, Fp8Kind::kGateUp},
+      {"gpt-oss-120b down", balanced(64, 512), 2880, 2880, Fp8Kind::kStore},
+      {"gpt-oss-120b d_x", balanced(64, 512), 2880, 5760, Fp8Kind::kPair},
+      {"gpt-oss-120b wgrad", balanced(64, 512), 2880, 2880, Fp8Kind::kWeightGrad},
+      {"qwen3-30b-a3b gate_up", balanced(64, 1024), 768, 2048, Fp8Kind::kGateUp},
+      {"qwen3-30b-a3b down", balanced(64, 1024), 2048, 768, Fp8Kind::kStore},
+      {"qwen3-30b-a3b d_x", balanced(64, 1024), 2048, 1536, Fp8Kind::kPair},
+      {"qwen3-30b-a3b wgrad gate", balanced(64, 1024), 768, 2048, Fp8Kind::kWeightGrad},
+  };
+  std::printf("| %-30s | %4s | %7s | %5s | %5s | %8s | %7s | %8s | %7s | %6s | %s |\n", "fp8 case", "grp",
+              "rows", "n", "k", "fp8 ms", "TFLOP/s", "bf16 ms", "TFLOP/s", "ratio", "status");
+  for (const Fp8Case& c : cases) {
+    if (filter.empty() || std::string(c.name).find(filter) != std::string::npos) run_fp8_case(c);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string filter = argc > 1 ? argv[1] : "";
+  const bool fp8 = argc > 1 && std::string(argv[1]) == "--fp8";
+  const std::string filter = argc > (fp8 ? 2 : 1) ? argv[fp8 ? 2 : 1] : "";
   std::vector<Case> cases = {
       {"deepseek-v3 gate_up", balanced(128, 1024), 2048, 7168, Kind::kGateUp},
       {"deepseek-v3 down", balanced(128, 1024), 7168, 2048, Kind::kStore},
@@ -270,6 +454,7 @@ int main(int argc, char** argv) {
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs; median of %d launches after %d warm-up\n", prop.name,
               prop.multiProcessorCount, kIters, kWarmup);
+  if (fp8) return run_fp8_cases(filter);
   std::printf("| %-34s | %4s | %7s | %5s | %5s | %8s | %6s | %s |\n", "case", "grp", "rows", "n", "k", "ms",
               "TFLOP/s", "status");
   for (const Case& c : cases) {

@@ -85,6 +85,44 @@ __device__ __forceinline__ bool mbarrier_wait_parity_bounded(uint64_t* bar, uint
   return true;
 }
 
+// The same three on a shared-space byte address: a mainloop that computes its stage addresses once, instead
+// of converting a generic pointer on every K block (the FP8 GEMM issues a K block every ~130 cycles).
+__device__ __forceinline__ bool mbarrier_try_wait_parity_at(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      "  .reg .pred p;\n"
+      "  mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+      "  selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ bool mbarrier_wait_parity_bounded_at(uint32_t bar, uint32_t parity,
+                                                                uint64_t timeout_ns) {
+  if (mbarrier_try_wait_parity_at(bar, parity)) return true;
+  const uint64_t start = global_timer_ns();
+  while (!mbarrier_try_wait_parity_at(bar, parity)) {
+    if (global_timer_ns() - start > timeout_ns) return false;
+  }
+  return true;
+}
+__device__ __forceinline__ void mbarrier_arrive_at(uint32_t bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Bulk tensor copies (TMA), global -> shared, completing on an mbarrier. `tensor_map` is the generic
 // address of a CUtensorMap kernel parameter (__grid_constant__) or of one in global memory.
@@ -284,6 +322,34 @@ __device__ __forceinline__ void wgmma_m64n64k16_bf16(float (&d)[kAccs], uint64_t
         "+f"(d[30]), "+f"(d[31])
       : "l"(desc_a), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)), "n"(kMnMajorA ? 1 : 0),
         "n"(kMnMajorB ? 1 : 0));
+}
+
+// D[64 x 128] (+)= A[64 x 32] * B[128 x 32]^T, e4m3 inputs from shared memory (both K-major: FP8 wgmma has
+// no transposed form), fp32 D in the m64nNk32 fragment (the same layout as the bf16 m64nNk16 one above).
+// `accumulate` false overwrites D.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                      bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
+        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
+        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
+        "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<uint32_t>(accumulate)));
 }
 
 // Two fp32 -> one register of two bf16 (round to nearest even); `lo` lands in the low 16 bits.
