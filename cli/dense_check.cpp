@@ -105,6 +105,22 @@ struct Scratch {
   std::vector<double> g, u, a, y, d_a;
 };
 
+// act'(g, u) d_a in fp64 (dense_evaluate's clamp_masks_at_bf16): with `masks_at_bf16`, a g or u whose bf16
+// value is on the other side of a clamp limit than its fp64 value moves to the limit on the bf16 value's side
+// (the activation is continuous there), so the mask is the layer's.
+void activation_backward_checked(const Activation& act, bool masks_at_bf16, double g, double u, double d_a,
+                                 double* d_g, double* d_u) {
+  if (masks_at_bf16 && act.clamp_limit) {
+    const double limit = *act.clamp_limit;
+    auto to_side = [limit](double value, double bf16_value) {
+      return bf16_value <= limit ? std::min(value, limit) : std::max(value, std::nextafter(limit, INFINITY));
+    };
+    g = to_side(g, reference::round_bf16(static_cast<float>(g)));
+    u = std::copysign(to_side(std::abs(u), std::abs(reference::round_bf16(static_cast<float>(u)))), u);
+  }
+  reference::activation_backward(act, g, u, d_a, d_g, d_u);
+}
+
 // g = W_gate x, u = W_up x, a = act(g, u), y = W_down a.
 void mlp_forward(const Mlp& w, const Activation& act, const double* x, Scratch& s) {
   s.g.resize(w.inter);
@@ -120,20 +136,21 @@ void mlp_forward(const Mlp& w, const Activation& act, const double* x, Scratch& 
 }
 
 // d_x += W_gate^T d_g + W_up^T d_u, with d_a = W_down^T d_y; needs s.g, s.u from mlp_forward.
-void mlp_backward(const Mlp& w, const Activation& act, const double* d_y, Scratch& s, double* d_x) {
+void mlp_backward(const Mlp& w, const Activation& act, bool masks_at_bf16, const double* d_y, Scratch& s,
+                  double* d_x) {
   s.d_a.assign(w.inter, 0.0);
   for (int64_t h = 0; h < w.hidden; ++h) axpy(d_y[h], w.down + h * w.inter, s.d_a.data(), w.inter);
   for (int64_t i = 0; i < w.inter; ++i) {
     double d_g = 0.0, d_u = 0.0;
-    reference::activation_backward(act, s.g[i], s.u[i], s.d_a[i], &d_g, &d_u);
+    activation_backward_checked(act, masks_at_bf16, s.g[i], s.u[i], s.d_a[i], &d_g, &d_u);
     axpy(d_g, w.gate + i * w.hidden, d_x, w.hidden);
     axpy(d_u, w.up + i * w.hidden, d_x, w.hidden);
   }
 }
 
 // One sampled token of rank `rank`: its rows of out, d_x and d_topk_weights.
-void evaluate_token(const HostProblem& problem, int64_t rank, int64_t token, bool backward, double* out,
-                    double* d_x, double* d_topk_weights) {
+void evaluate_token(const HostProblem& problem, int64_t rank, int64_t token, bool backward,
+                    bool masks_at_bf16, double* out, double* d_x, double* d_topk_weights) {
   const Shape& s = problem.shape;
   const int64_t H = s.hidden, k = s.num_topk;
   const HostRank& in = problem.ranks[rank];
@@ -147,7 +164,7 @@ void evaluate_token(const HostProblem& problem, int64_t rank, int64_t token, boo
     const Mlp w = shared_mlp(problem);
     mlp_forward(w, problem.activation, x.data(), scratch);
     for (int64_t h = 0; h < H; ++h) out[h] += scratch.y[h];
-    if (backward) mlp_backward(w, problem.activation, d_out.data(), scratch, d_x);
+    if (backward) mlp_backward(w, problem.activation, masks_at_bf16, d_out.data(), scratch, d_x);
   }
   std::vector<double> d_y(H);
   for (int64_t j = 0; j < k; ++j) {
@@ -163,7 +180,7 @@ void evaluate_token(const HostProblem& problem, int64_t rank, int64_t token, boo
     for (int64_t h = 0; h < H; ++h) dot_y += d_out[h] * scratch.y[h];
     d_topk_weights[j] = dot_y;
     for (int64_t h = 0; h < H; ++h) d_y[h] = weight * d_out[h];
-    mlp_backward(w, problem.activation, d_y.data(), scratch, d_x);
+    mlp_backward(w, problem.activation, masks_at_bf16, d_y.data(), scratch, d_x);
   }
 }
 
@@ -175,8 +192,9 @@ struct Pair {
 // Sampled rows of one expert's weight gradients over `pairs`:
 //   d_gate[ri, :] (+)= d_g_i x,  d_up[ri, :] (+)= d_u_i x,  d_down[:, ri] (+)= w a_i d_out
 // with d_a_i = w <d_out, W_down[:, i]>. Outputs gate/up [rows, H], down [H, rows].
-void evaluate_weight_rows(const HostProblem& problem, const Mlp& w, const std::vector<Pair>& pairs,
-                          const std::vector<int64_t>& rows, double* d_gate, double* d_up, double* d_down) {
+void evaluate_weight_rows(const HostProblem& problem, bool masks_at_bf16, const Mlp& w,
+                          const std::vector<Pair>& pairs, const std::vector<int64_t>& rows, double* d_gate,
+                          double* d_up, double* d_down) {
   const int64_t H = w.hidden, num_rows = static_cast<int64_t>(rows.size());
   std::fill(d_gate, d_gate + num_rows * H, 0.0);
   std::fill(d_up, d_up + num_rows * H, 0.0);
@@ -196,7 +214,7 @@ void evaluate_weight_rows(const HostProblem& problem, const Mlp& w, const std::v
         d_a += static_cast<double>(bf16_bits_to_float(w.down[h * w.inter + i])) * d_out[h];
       d_a *= pair.weight;
       double d_g = 0.0, d_u = 0.0;
-      reference::activation_backward(problem.activation, g, u, d_a, &d_g, &d_u);
+      activation_backward_checked(problem.activation, masks_at_bf16, g, u, d_a, &d_g, &d_u);
       for (int64_t h = 0; h < H; ++h) {
         d_gate[ri * H + h] += d_g * x[h];
         d_up[ri * H + h] += d_u * x[h];
@@ -301,7 +319,7 @@ std::string describe_coordinate(const CheckPlan& plan, const Shape& shape, Field
 // ---- fp64 evaluation -----------------------------------------------------------------------------------
 
 SampledTensors dense_evaluate(const HostProblem& problem, const CheckPlan& plan, bool backward,
-                              int num_threads) {
+                              int num_threads, bool clamp_masks_at_bf16) {
   const Shape& s = problem.shape;
   const int64_t R = s.num_ranks, H = s.hidden, k = s.num_topk, El = s.num_local_experts();
   POUNCE_CHECK(static_cast<int64_t>(plan.tokens.size()) == R, "check plan has ", plan.tokens.size(),
@@ -343,7 +361,8 @@ SampledTensors dense_evaluate(const HostProblem& problem, const CheckPlan& plan,
       const int64_t rank =
           std::upper_bound(token_offset.begin(), token_offset.end(), flat) - token_offset.begin() - 1;
       const int64_t token = plan.tokens[rank][flat - token_offset[rank]];
-      evaluate_token(problem, rank, token, backward, result[Field::kOut].data() + flat * H,
+      evaluate_token(problem, rank, token, backward, clamp_masks_at_bf16,
+                     result[Field::kOut].data() + flat * H,
                      backward ? result[Field::kDX].data() + flat * H : nullptr,
                      backward ? result[Field::kDTopkWeights].data() + flat * k : nullptr);
       return;
@@ -353,9 +372,10 @@ SampledTensors dense_evaluate(const HostProblem& problem, const CheckPlan& plan,
     if (local_expert < 0) {
       for (int64_t t = 0; t < problem.ranks[rank].num_tokens; ++t) pairs.push_back({rank, t, 1.0});
       const int64_t offset = rank * shared_rows * H;
-      evaluate_weight_rows(
-          problem, shared_mlp(problem), pairs, plan.shared_rows, result[Field::kDSharedGate].data() + offset,
-          result[Field::kDSharedUp].data() + offset, result[Field::kDSharedDown].data() + offset);
+      evaluate_weight_rows(problem, clamp_masks_at_bf16, shared_mlp(problem), pairs, plan.shared_rows,
+                           result[Field::kDSharedGate].data() + offset,
+                           result[Field::kDSharedUp].data() + offset,
+                           result[Field::kDSharedDown].data() + offset);
       return;
     }
     const int64_t expert = rank * El + local_expert;
@@ -368,9 +388,10 @@ SampledTensors dense_evaluate(const HostProblem& problem, const CheckPlan& plan,
         routed_offset[rank] + (std::find(plan.experts[rank].begin(), plan.experts[rank].end(), local_expert) -
                                plan.experts[rank].begin());
     const int64_t offset = slot * rows * H;
-    evaluate_weight_rows(
-        problem, routed_mlp(problem, expert), pairs, plan.rows, result[Field::kDRoutedGate].data() + offset,
-        result[Field::kDRoutedUp].data() + offset, result[Field::kDRoutedDown].data() + offset);
+    evaluate_weight_rows(problem, clamp_masks_at_bf16, routed_mlp(problem, expert), pairs, plan.rows,
+                         result[Field::kDRoutedGate].data() + offset,
+                         result[Field::kDRoutedUp].data() + offset,
+                         result[Field::kDRoutedDown].data() + offset);
   });
   return result;
 }

@@ -73,8 +73,14 @@ struct SampledTensors {
 std::string describe_coordinate(const CheckPlan& plan, const Shape& shape, Field field, int64_t index);
 
 // The fp64 dense evaluation at the plan's coordinates; backward fields stay empty unless `backward`.
+// `clamp_masks_at_bf16`: an activation clamp's gradient masks are decided where the layer decides them, on g
+// and u rounded to bf16 (docs/design.md §1); false decides them on the unrounded fp64 values, as the
+// reference's kFp64 numerics do. A mask is a step at the limit: an fp64 value within half a bf16 step of it
+// would sit on the other side than the layer's bf16 value, a full-size gradient against none that no
+// tolerance covers
+// (`pounce run --clamp 1` failed on those).
 SampledTensors dense_evaluate(const HostProblem& problem, const CheckPlan& plan, bool backward,
-                              int num_threads = 0);
+                              int num_threads = 0, bool clamp_masks_at_bf16 = true);
 
 // Reads element `flat_index` of one rank's full-size tensor (row-major, any dtype or memory).
 using ElementReader = std::function<double(int64_t flat_index)>;

@@ -2,9 +2,7 @@
 //
 //   SwiGLU:  a = silu(g') * u'                       silu(v) = v * sigmoid(v)
 //   GPT-OSS: a = (u' + 1) * g' * sigmoid(alpha * g')
-// with g' = min(g, L), u' = clamp(u, -L, L) when clamp_limit L is set, g' = g, u' = u otherwise. The layer
-// applies them to bf16 g and u (docs/design.md §1); the clamps' masks are decided on those bf16 values in
-// both numerics.
+// with g' = min(g, L), u' = clamp(u, -L, L) when clamp_limit L is set, g' = g, u' = u otherwise.
 // The clamps pass no gradient where they are active (g > L, |u| > L); at the limit itself they pass it, as
 // torch.clamp's backward does (where(min <= x <= max, grad, 0)), so transformers' GPT-OSS experts
 // (gate.clamp(max=L), up.clamp(-L, L)) get the same gradients.
@@ -47,16 +45,10 @@ void activation_backward_t(const Activation& act, T g, T u, T d_a, T* d_g, T* d_
   bool g_passes = true, u_passes = true;
   if (act.clamp_limit) {
     const T limit = static_cast<T>(*act.clamp_limit);
-    // Decided on the bf16 values, as the layer takes g and u (identity in kBf16 numerics). In kFp64 an
-    // unrounded value within half a bf16 step of the limit would otherwise sit on the other side of the step
-    // than the layer's: a full-size gradient against none, which no tolerance covers. The value itself moves
-    // to that side too (the activation is continuous there).
-    const T g_bf16 = static_cast<T>(round_bf16(static_cast<float>(g)));
-    const T u_bf16 = static_cast<T>(round_bf16(static_cast<float>(u)));
-    g_passes = !(g_bf16 > limit);
-    u_passes = !(std::abs(u_bf16) > limit);
-    g = g_passes ? std::min(g, limit) : limit;
-    u = u_passes ? std::clamp(u, -limit, limit) : (u_bf16 > 0 ? limit : -limit);
+    g_passes = !(g > limit);
+    u_passes = !(std::abs(u) > limit);
+    g = std::min(g, limit);
+    u = std::clamp(u, -limit, limit);
   }
   const T alpha = gate_alpha<T>(act);
   const T s = sigmoid(alpha * g);

@@ -3,9 +3,7 @@
 // Plain loops, shapes in comments, parallelised over threads. Two numerics:
 //   kBf16 — reproduces the rounding points of docs/design.md §1 (fp32 accumulate, bf16 at g, u, a, y, out)
 //           and the backward rounding points in docs/design.md;
-//   kFp64 — no rounding anywhere, fp64 accumulate: the oracle for tolerances and finite differences. One
-//           exception: the clamps' gradient masks are decided on g and u rounded to bf16, where the layer
-//           decides them (reference/activation.cpp).
+//   kFp64 — no rounding anywhere, fp64 accumulate: the oracle for tolerances and finite differences.
 // Every rank's tensors are held as double; in kBf16 mode inputs must be bf16-representable.
 //
 // Two precisions (Problem::precision, as Config::precision): kBF16, and kFP8, where the routed experts

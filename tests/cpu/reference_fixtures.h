@@ -180,14 +180,11 @@ template <typename T>
 void oracle_act_backward(const Activation& act, T g, T u, T d_a, T* d_g, T* d_u) {
   bool g_live = true, u_live = true;
   if (act.clamp_limit) {
-    // The masks on the bf16 values the layer sees (the identity in bf16 numerics): a value on the other side
-    // of the step moves to the limit.
     const T limit = static_cast<T>(*act.clamp_limit);
-    const T g_bf16 = round_bf16(static_cast<float>(g)), u_bf16 = round_bf16(static_cast<float>(u));
-    g_live = g_bf16 <= limit;
-    u_live = std::abs(u_bf16) <= limit;
-    g = g_live ? std::min(g, limit) : limit;
-    u = u_live ? std::max(-limit, std::min(u, limit)) : (u_bf16 > 0 ? limit : -limit);
+    g_live = g <= limit;
+    u_live = std::abs(u) <= limit;
+    g = std::min(g, limit);
+    u = std::max(-limit, std::min(u, limit));
   }
   const T alpha = act.kind == ActivationKind::kGptOss ? static_cast<T>(act.alpha) : T(1);
   const T s = oracle_sigmoid(alpha * g);

@@ -23,10 +23,10 @@ ElementReader reader(const std::vector<double>& values) {
   return [&values](int64_t i) { return values.at(static_cast<size_t>(i)); };
 }
 
-// The reference's fp64 evaluation of `problem`, gathered at `plan`'s coordinates.
-SampledTensors reference_fp64(const HostProblem& problem, const CheckPlan& plan,
-                              std::vector<reference::RankForward>& forward,
-                              std::vector<reference::RankGradients>& gradients) {
+// The reference's evaluation of `problem` in `numerics`, gathered at `plan`'s coordinates.
+SampledTensors reference_run(const HostProblem& problem, const CheckPlan& plan, reference::Numerics numerics,
+                             std::vector<reference::RankForward>& forward,
+                             std::vector<reference::RankGradients>& gradients) {
   const Shape& s = problem.shape;
   reference::Problem ref;
   ref.hidden = s.hidden;
@@ -36,7 +36,7 @@ SampledTensors reference_fp64(const HostProblem& problem, const CheckPlan& plan,
   ref.shared_intermediate = s.shared_intermediate;
   ref.num_ranks = s.num_ranks;
   ref.activation = problem.activation;
-  ref.numerics = reference::Numerics::kFp64;
+  ref.numerics = numerics;
   std::vector<reference::RankInputs> inputs;
   std::vector<reference::Weights> routed;
   for (const HostRank& rank : problem.ranks) {
@@ -76,8 +76,10 @@ SampledTensors reference_fp64(const HostProblem& problem, const CheckPlan& plan,
 void expect_agreement(const HostProblem& problem, const CheckPlan& plan, int expected_fields) {
   std::vector<reference::RankForward> forward;
   std::vector<reference::RankGradients> gradients;
-  const SampledTensors ref = reference_fp64(problem, plan, forward, gradients);
-  const SampledTensors dense = dense_evaluate(problem, plan, /*backward=*/true, /*num_threads=*/2);
+  const SampledTensors ref = reference_run(problem, plan, reference::Numerics::kFp64, forward, gradients);
+  // Masks on the fp64 values, as the reference's kFp64 numerics decide them: the two must agree exactly.
+  const SampledTensors dense =
+      dense_evaluate(problem, plan, /*backward=*/true, /*num_threads=*/2, /*clamp_masks_at_bf16=*/false);
   const std::vector<TensorCheck> checks = compare(plan, problem.shape, dense, ref, 1e-12);
   EXPECT_EQ(static_cast<int>(checks.size()), expected_fields);
   for (const TensorCheck& check : checks) {
@@ -108,6 +110,34 @@ TEST(CliDenseCheck, MatchesReferenceFp64GptOssWithClampNoShared) {
   act.clamp_limit = 0.5f;  // small enough that the clamp is active on many rows
   const HostProblem problem = generate_problem(small_shape(0), act, 12);
   expect_agreement(problem, full_check_plan(problem), 6);
+}
+
+// What `pounce run --clamp L` checks: the layer (here the reference's bf16 numerics, which the CPU backend
+// runs) against the dense fp64 evaluation within the run's 2 % tolerance. With the clamp's masks decided on
+// the fp64 values, the g and u within half a bf16 step above a limit (rounded onto it and passed by the
+// layer, blocked in fp64) put the weight gradients several per cent off; decided on the bf16 values they
+// agree.
+TEST(CliDenseCheck, ClampMasksFollowTheLayersBf16Values) {
+  for (float limit : {0.5f, 1.0f}) {
+    SCOPED_TRACE("clamp " + std::to_string(limit));
+    Activation act = Activation::swiglu();
+    act.clamp_limit = limit;
+    Shape shape = small_shape(0);
+    shape.max_tokens = 64;
+    const HostProblem problem = generate_problem(shape, act, 21);
+    const CheckPlan plan = full_check_plan(problem);
+    std::vector<reference::RankForward> forward;
+    std::vector<reference::RankGradients> gradients;
+    const SampledTensors layer = reference_run(problem, plan, reference::Numerics::kBf16, forward, gradients);
+    const SampledTensors at_bf16 = dense_evaluate(problem, plan, true, 2, /*clamp_masks_at_bf16=*/true);
+    const SampledTensors at_fp64 = dense_evaluate(problem, plan, true, 2, /*clamp_masks_at_bf16=*/false);
+    bool fp64_masks_fail = false;
+    for (const TensorCheck& check : compare(plan, problem.shape, layer, at_bf16, 0.02))
+      EXPECT_TRUE(check.passed) << check.name << ": rel error " << check.rel_error << "; " << check.first_bad;
+    for (const TensorCheck& check : compare(plan, problem.shape, layer, at_fp64, 0.02))
+      fp64_masks_fail |= !check.passed;
+    EXPECT_TRUE(fp64_masks_fail) << "the case no longer shows the masks' flips: make the clamp bite harder";
+  }
 }
 
 TEST(CliDenseCheck, SampledPlanMatchesReferenceAtItsCoordinates) {
