@@ -33,8 +33,8 @@ struct TensorView {
   std::vector<int64_t> shape;
   DeviceKind device = DeviceKind::kCpu;
   int device_id = 0;
-  // Elements between consecutive indices of each dimension; empty = dense row-major. Set only for views that
-  // are not dense; the layer's validation accepts it for weights and weight gradients only.
+  // Elements between consecutive indices of each dimension; empty = dense row-major (from_dlpack leaves it
+  // empty for a dense tensor). The layer's validation accepts strides for weights and weight gradients only.
   std::vector<int64_t> strides;
 
   TensorView() = default;
@@ -64,8 +64,8 @@ struct TensorView {
   T* as() const {
     return static_cast<T*>(data);
   }
-  std::string describe()
-      const;  // "bf16[4096, 2048] on cuda:0", "bf16[8, 768, 2048] strides [3145728, 2048, 1] on cpu"
+  // "bf16[4096, 2048] on cuda:0"; a strided view: "bf16[8, 768, 2048] strides [3145728, 2048, 1] on cpu".
+  std::string describe() const;
 };
 
 }  // namespace pounce
