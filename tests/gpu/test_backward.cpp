@@ -231,7 +231,6 @@ void check_layout(const Model& m, const std::vector<Call>& calls, const Backward
         }
         bwd.d_shared.down = view(d_shared_down.ptr, {H, Is});
       }
-      std::vector<uint8_t> first_run;
       for (int run = 0; run < 2; ++run) {
         for (const DeviceBuffer<float>* b :
              {&d_topk, &d_gate_up, &d_gate, &d_up, &d_down, &d_shared_gate, &d_shared_up, &d_shared_down})
