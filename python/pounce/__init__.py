@@ -18,6 +18,14 @@ The CPU backend runs the exact reference over the R ranks of a group living in o
 """
 from __future__ import annotations
 
+import importlib.util
+
+# torch first, where it is installed: its wheel ships its own NCCL (libnccl.so.2), newer than the one pounce._C
+# links. Loaded after pounce._C, torch would find pounce's NCCL already resolved under that name and fail
+# (undefined symbol ncclCommResume); loaded first, both use torch's, which pounce's calls are compatible with.
+if importlib.util.find_spec("torch") is not None:
+    import torch  # noqa: F401
+
 from . import _C
 from ._C import (
     BLOCK_M,
@@ -45,6 +53,10 @@ from ._C import (
 )
 
 __version__ = _C.__version__
+# Capabilities of this build, for layers that adapt: weights (and fused gate/up gradients) as row-strided
+# views read and written in place, and weight gradients left as None not computed.
+supports_expert_stride = bool(getattr(_C, "supports_expert_stride", False))
+supports_frozen_weight_grads = bool(getattr(_C, "supports_frozen_weight_grads", False))
 
 __all__ = [
     "BLOCK_M",
