@@ -58,35 +58,9 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
                : "memory");
 }
 
-// True when the phase with parity `parity` has completed (a fresh barrier counts parity 1 as completed).
-__device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n"
-      "  .reg .pred p;\n"
-      "  mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-      "  selp.u32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(smem_addr(bar)), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-
-// Bounded wait: spins until the phase completes or `timeout_ns` of wall time passed. Returns false on
-// timeout so the caller can record an error code and leave instead of hanging the process.
-__device__ __forceinline__ bool mbarrier_wait_parity_bounded(uint64_t* bar, uint32_t parity,
-                                                             uint64_t timeout_ns) {
-  if (mbarrier_try_wait_parity(bar, parity)) return true;
-  const uint64_t start = global_timer_ns();
-  while (!mbarrier_try_wait_parity(bar, parity)) {
-    if (global_timer_ns() - start > timeout_ns) return false;
-  }
-  return true;
-}
-
-// The same three on a shared-space byte address: a mainloop that computes its stage addresses once, instead
-// of converting a generic pointer on every K block (the FP8 GEMM issues a K block every ~130 cycles).
+// True when the phase with parity `parity` has completed (a fresh barrier counts parity 1 as completed). The
+// *_at forms take the barrier's shared-space byte address: a mainloop that computes its stage addresses once,
+// instead of converting a generic pointer on every K block (the FP8 GEMM issues a K block every ~130 cycles).
 __device__ __forceinline__ bool mbarrier_try_wait_parity_at(uint32_t bar, uint32_t parity) {
   uint32_t done;
   asm volatile(
@@ -100,6 +74,12 @@ __device__ __forceinline__ bool mbarrier_try_wait_parity_at(uint32_t bar, uint32
       : "memory");
   return done != 0;
 }
+__device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
+  return mbarrier_try_wait_parity_at(smem_addr(bar), parity);
+}
+
+// Bounded wait: spins until the phase completes or `timeout_ns` of wall time passed. Returns false on
+// timeout so the caller can record an error code and leave instead of hanging the process.
 __device__ __forceinline__ bool mbarrier_wait_parity_bounded_at(uint32_t bar, uint32_t parity,
                                                                 uint64_t timeout_ns) {
   if (mbarrier_try_wait_parity_at(bar, parity)) return true;
@@ -109,6 +89,11 @@ __device__ __forceinline__ bool mbarrier_wait_parity_bounded_at(uint32_t bar, ui
   }
   return true;
 }
+__device__ __forceinline__ bool mbarrier_wait_parity_bounded(uint64_t* bar, uint32_t parity,
+                                                             uint64_t timeout_ns) {
+  return mbarrier_wait_parity_bounded_at(smem_addr(bar), parity, timeout_ns);
+}
+
 __device__ __forceinline__ void mbarrier_arrive_at(uint32_t bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }

@@ -123,6 +123,19 @@ void check_fp8_rows(const GroupedRows& rows, const Fp8Rows& a, const char* name)
                " must be >= max_rows (", rows.max_rows, ") and a multiple of 4");
 }
 
+// The arguments every kind takes from the grouped rows, and n.
+gemm::Fp8GemmArgs grouped_args(const GroupedRows& rows, int64_t n) {
+  gemm::Fp8GemmArgs args{};
+  args.common.group_row_offset = rows.group_row_offset;
+  args.common.group_rows = rows.group_rows;
+  args.common.num_groups = rows.num_groups;
+  args.common.group_active = rows.group_active;
+  args.common.max_m_blocks = static_cast<int32_t>(rows.max_rows / Fp8GemmConfig::BLOCK_M);
+  args.common.n = static_cast<int32_t>(n);
+  args.common.out_ld = n;
+  return args;
+}
+
 void launch(Fp8Kind kind, const gemm::Fp8TensorMaps& maps, gemm::Fp8GemmArgs args, int64_t max_tiles,
             int max_ctas, cudaStream_t stream) {
   const DeviceInfo& info = device_info();
@@ -149,15 +162,9 @@ void launch_rows(const GroupedRows& rows, const Fp8Rows* a, const Fp8Matrices* b
   check_extent(n, 64, "n");
   check_pointer(c, "c");
   gemm::Fp8TensorMaps maps{};
-  gemm::Fp8GemmArgs args{};
-  args.common.group_row_offset = rows.group_row_offset;
-  args.common.group_rows = rows.group_rows;
-  args.common.num_groups = rows.num_groups;
-  args.common.max_m_blocks = static_cast<int32_t>(rows.max_rows / Fp8GemmConfig::BLOCK_M);
-  args.common.n = static_cast<int32_t>(n);
+  gemm::Fp8GemmArgs args = grouped_args(rows, n);
   args.common.k = static_cast<int32_t>(k[0]);
   args.common.out0 = static_cast<__nv_bfloat16*>(c);
-  args.common.out_ld = n;
   if (rows.max_rows == 0) return;
   for (int p = 0; p < pairs; ++p) {
     const char* name = p == 0 ? "a0" : "a1";
@@ -215,14 +222,8 @@ void fp8_grouped_gate_up(const GroupedRows& rows, const Fp8Rows& x, const Fp8Mat
     check_pointer(w->data, name);
     check_pointer(w->scale, name);
   }
-  gemm::Fp8GemmArgs args{};
-  args.common.group_row_offset = rows.group_row_offset;
-  args.common.group_rows = rows.group_rows;
-  args.common.num_groups = rows.num_groups;
-  args.common.max_m_blocks = static_cast<int32_t>(rows.max_rows / Fp8GemmConfig::BLOCK_M);
-  args.common.n = static_cast<int32_t>(n);
+  gemm::Fp8GemmArgs args = grouped_args(rows, n);
   args.common.k = static_cast<int32_t>(k);
-  args.common.out_ld = n;
   args.common.out0 = static_cast<__nv_bfloat16*>(g);
   args.common.out1 = static_cast<__nv_bfloat16*>(u);
   args.common.out2 = static_cast<__nv_bfloat16*>(a);
@@ -260,14 +261,8 @@ void fp8_grouped_weight_grad(const GroupedRows& rows, const Fp8Columns& a_t, int
                " must be >= m and a multiple of 4");
   POUNCE_CHECK(b_t.scale_ld >= n && b_t.scale_ld % 4 == 0, "b_t.scale_ld = ", b_t.scale_ld,
                " must be >= n and a multiple of 4");
-  gemm::Fp8GemmArgs args{};
-  args.common.group_row_offset = rows.group_row_offset;
-  args.common.group_rows = rows.group_rows;
-  args.common.num_groups = rows.num_groups;
-  args.common.group_active = rows.group_active;
-  args.common.max_m_blocks = static_cast<int32_t>(rows.max_rows / Fp8GemmConfig::BLOCK_M);
+  gemm::Fp8GemmArgs args = grouped_args(rows, n);
   args.common.m = static_cast<int32_t>(m);
-  args.common.n = static_cast<int32_t>(n);
   args.common.weight_grad = d;
   args.common.weight_grad_mode = mode;
   const int64_t tiles =

@@ -25,10 +25,10 @@ struct Bf16TensorMapSpec {
 // Throws pounce::Error naming the field and the fix when the spec is invalid or the driver refuses it.
 CUtensorMap make_bf16_tensor_map_sw128(const Bf16TensorMapSpec& spec);
 
-// Any element type, the FP8 GEMMs' operands and scales: e4m3 bytes (kUint8) in 128-byte swizzled boxes of
-// 128 elements per row, or fp32 scale vectors (kFloat32) unswizzled. dims/strides/box as in
+// Any element type (make_bf16_tensor_map_sw128 is its bf16 case): e4m3 bytes (kUint8) in 128-byte swizzled
+// boxes of 128 elements per row, fp32 scale vectors (kFloat32) unswizzled, ... dims/strides/box as in
 // Bf16TensorMapSpec; zero fill for out-of-bounds reads.
-enum class TensorMapElement { kUint8, kFloat32 };
+enum class TensorMapElement { kUint8, kBfloat16, kFloat32 };
 struct TensorMapSpec {
   const void* base = nullptr;
   int rank = 2;  // 1, 2 or 3
