@@ -12,6 +12,7 @@
 // Phase 2:
 //   d_x[t] = round(d_xs[t] + sum_{j ascending, idx >= 0} d_x_pair[t, j]), one accumulator from d_xs[t]
 //   d_w_down[e] [H, I] = sum_rows dy ⊗ a,  d_w_gate[e] [I, H] = sum_rows d_g ⊗ x,  d_w_up = sum d_u ⊗ x
+//   (biases given) d_b_down[e] [H] = sum_rows dy, d_b_gate[e] [I] = sum_rows d_g, d_b_up[e] = sum_rows d_u
 // with the weight sums in T over the expert's rows in receive-schedule order (the shared expert: the
 // rank's tokens ascending), not rounded: the caller picks the output dtype. Precision::kFP8 runs
 // fp8_backward.cpp instead.
@@ -109,9 +110,19 @@ std::vector<RankGradients> backward_t(const Problem& p, const std::vector<RankIn
   std::vector<RankGradients> result;
   const std::vector<GradTask> tasks =
       detail::plan_gradient_tasks(p, ranks, d_topk, kTokensPerChunk, kGradRowsPerTask, result);
+  std::vector<GradTask> all_tasks = tasks;
+  for (int64_t r = 0; r < R; ++r) {  // bias gradients: one task per expert, for the biases given
+    const Weights& w = routed_per_rank[r];
+    if (!ranks[r].routed_weight_grads || !w.has_biases()) continue;
+    Weights& d = result[r].d_routed;
+    if (!w.b_gate.empty()) d.b_gate.assign(El * I, 0.0);
+    if (!w.b_up.empty()) d.b_up.assign(El * I, 0.0);
+    if (!w.b_down.empty()) d.b_down.assign(El * H, 0.0);
+    for (int64_t le = 0; le < El; ++le) all_tasks.push_back({r, le, GradTensor::kBias, 0, 1});
+  }
 
-  parallel_for(static_cast<int64_t>(tasks.size()), p.num_threads, [&](int64_t task_idx) {
-    const GradTask& task = tasks[task_idx];
+  parallel_for(static_cast<int64_t>(all_tasks.size()), p.num_threads, [&](int64_t task_idx) {
+    const GradTask& task = all_tasks[task_idx];
     const int64_t r = task.rank;
     if (task.expert == GradTask::kCombine) {
       detail::combine_d_x_tokens(ranks[r].topk_idx, d_xs[r].data(), d_x_pair[r].data(), k, H, task.begin,
@@ -136,6 +147,14 @@ std::vector<RankGradients> backward_t(const Problem& p, const std::vector<RankIn
       out = &result[r].d_routed;
       out_offset_in = task.expert * I * H;
       out_offset_down = task.expert * H * I;
+    }
+    if (task.tensor == GradTensor::kBias) {
+      auto at = [](std::vector<double>& v, int64_t offset) {
+        return v.empty() ? nullptr : v.data() + offset;
+      };
+      detail::bias_gradient_rows(rows, H, at(out->b_gate, task.expert * I), at(out->b_up, task.expert * I),
+                                 at(out->b_down, task.expert * H));
+      return;
     }
     double* dest = task.tensor == GradTensor::kGate ? out->gate.data() + out_offset_in
                    : task.tensor == GradTensor::kUp ? out->up.data() + out_offset_in

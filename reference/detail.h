@@ -101,12 +101,16 @@ struct ExpertMatrices {
   std::vector<T> down_t;     // [I, H]
   std::vector<T> down;       // [H, I]  backward only
   std::vector<T> gate_up;    // [2I, H]: row 2i is gate row i, row 2i + 1 is up row i; backward only
+  std::vector<T> bias_gu;    // [2I] b_gate then b_up (zeros for one not given); empty: no biases
+  std::vector<T> bias_down;  // [H]; empty: no down bias
 };
 
-// gate, up [I, H], down [H, I] in double -> T.
+// gate, up [I, H], down [H, I] in double -> T; optional biases b_gate, b_up [I], b_down [H] (null: none).
 template <typename T>
 ExpertMatrices<T> make_expert_matrices(const double* gate, const double* up, const double* down,
-                                       int64_t hidden, int64_t intermediate, bool for_backward) {
+                                       int64_t hidden, int64_t intermediate, bool for_backward,
+                                       const double* b_gate = nullptr, const double* b_up = nullptr,
+                                       const double* b_down = nullptr) {
   const int64_t H = hidden, I = intermediate;
   ExpertMatrices<T> m;
   m.hidden = H;
@@ -131,18 +135,36 @@ ExpertMatrices<T> make_expert_matrices(const double* gate, const double* up, con
       }
     }
   }
+  if (b_gate != nullptr || b_up != nullptr) {
+    m.bias_gu.assign(2 * I, T(0));
+    for (int64_t i = 0; i < I; ++i) {
+      if (b_gate != nullptr) m.bias_gu[i] = static_cast<T>(b_gate[i]);
+      if (b_up != nullptr) m.bias_gu[I + i] = static_cast<T>(b_up[i]);
+    }
+  }
+  if (b_down != nullptr) m.bias_down.assign(b_down, b_down + H);
   return m;
 }
 
+// c[r, n] += bias[n] for rows x cols (the bias enters the fp32 accumulator before the rounding point).
+template <typename T>
+void add_bias_rows(const std::vector<T>& bias, int64_t rows, int64_t cols, T* c) {
+  if (bias.empty()) return;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t n = 0; n < cols; ++n) c[r * cols + n] += bias[n];
+  }
+}
+
 // Forward of `rows` independent rows (docs/design.md §1):
-//   gu = round(x · [w_gate; w_up]^T)  [rows, 2I]   (g in columns [0, I), u in [I, 2I))
-//   a  = round(act(g, u))             [rows, I]
-//   y  = round(a · w_down^T)          [rows, H]
+//   gu = round(x · [w_gate; w_up]^T + [b_gate; b_up])  [rows, 2I]   (g in columns [0, I), u in [I, 2I))
+//   a  = round(act(g, u))                              [rows, I]
+//   y  = round(a · w_down^T + b_down)                  [rows, H]
 template <typename T>
 void mlp_forward_rows(const ExpertMatrices<T>& w, const Activation& act, const T* x, int64_t rows, T* gu,
                       T* a, T* y) {
   const int64_t H = w.hidden, I = w.intermediate;
   matmul(x, H, 1, w.gate_up_t.data(), rows, H, 2 * I, gu);
+  add_bias_rows(w.bias_gu, rows, 2 * I, gu);
   for (int64_t n = 0; n < rows * 2 * I; ++n) gu[n] = round_point(gu[n]);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < I; ++i) {
@@ -150,6 +172,7 @@ void mlp_forward_rows(const ExpertMatrices<T>& w, const Activation& act, const T
     }
   }
   matmul(a, I, 1, w.down_t.data(), rows, I, H, y);
+  add_bias_rows(w.bias_down, rows, H, y);
   for (int64_t n = 0; n < rows * H; ++n) y[n] = round_point(y[n]);
 }
 
@@ -224,7 +247,10 @@ GroupData<T> make_group_data(const Problem& p, const std::vector<RankInputs>& ra
     const int64_t r = task / El, le = task % El;
     const Weights& w = routed_per_rank[r];
     flat[task] = make_expert_matrices<T>(w.gate.data() + le * I * H, w.up.data() + le * I * H,
-                                         w.down.data() + le * H * I, H, I, for_backward);
+                                         w.down.data() + le * H * I, H, I, for_backward,
+                                         w.b_gate.empty() ? nullptr : w.b_gate.data() + le * I,
+                                         w.b_up.empty() ? nullptr : w.b_up.data() + le * I,
+                                         w.b_down.empty() ? nullptr : w.b_down.data() + le * H);
   });
   for (int64_t r = 0; r < R; ++r) {
     group.experts[r].assign(std::make_move_iterator(flat.begin() + r * El),
@@ -294,7 +320,8 @@ struct RowsForGrad {
   const T* d_gu = nullptr;   // [num_rows, 2I], d_g at 2i, d_u at 2i + 1
 };
 
-enum class GradTensor { kGate, kUp, kDown };
+// kBias: the expert's bias gradients (backward.cpp), one task per expert.
+enum class GradTensor { kGate, kUp, kDown, kBias };
 
 // One task of phase 2: output rows [begin, end) of one weight gradient, or (expert = kCombine)
 // the d_x combine of tokens [begin, end) of `rank`.
@@ -361,6 +388,27 @@ void combine_d_x_tokens(const std::vector<int32_t>& topk_idx, const T* d_xs, con
       for (int64_t h = 0; h < H; ++h) acc[h] += pair[h];
     }
     for (int64_t h = 0; h < H; ++h) d_x[t * H + h] = static_cast<double>(round_point(acc[h]));
+  }
+}
+
+// The bias gradients of one expert, each one accumulator in T over its rows ascending (padding rows are
+// not among them): d_b_gate[i] = sum_m d_g[m, i], d_b_up[i] = sum_m d_u[m, i], d_b_down[h] = sum_m dy[m, h].
+// A null output is a bias not given.
+template <typename T>
+void bias_gradient_rows(const RowsForGrad<T>& rows, int64_t H, double* d_b_gate, double* d_b_up,
+                        double* d_b_down) {
+  const int64_t I = rows.intermediate, M = rows.num_rows;
+  std::vector<T> acc_gu(2 * I, T(0)), acc_down(H, T(0));
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < 2 * I; ++n) acc_gu[n] += rows.d_gu[m * 2 * I + n];
+    for (int64_t h = 0; h < H; ++h) acc_down[h] += rows.dy[m * H + h];
+  }
+  for (int64_t i = 0; i < I; ++i) {
+    if (d_b_gate != nullptr) d_b_gate[i] = static_cast<double>(acc_gu[2 * i]);
+    if (d_b_up != nullptr) d_b_up[i] = static_cast<double>(acc_gu[2 * i + 1]);
+  }
+  if (d_b_down != nullptr) {
+    for (int64_t h = 0; h < H; ++h) d_b_down[h] = static_cast<double>(acc_down[h]);
   }
 }
 

@@ -55,6 +55,12 @@ struct Weights {
   std::vector<double> gate;  // routed [El, I, H] / shared [Is, H]
   std::vector<double> up;    // routed [El, I, H] / shared [Is, H]
   std::vector<double> down;  // routed [El, H, I] / shared [H, Is]
+  // Routed expert biases (docs/design.md §1), each optional (empty = none); the shared expert has none.
+  // As gradients (RankGradients::d_routed) a bias's gradient is present exactly when the bias was given.
+  std::vector<double> b_gate = {};  // [El, I], added to g before its rounding point
+  std::vector<double> b_up = {};    // [El, I], added to u before its rounding point
+  std::vector<double> b_down = {};  // [El, H], added to y before its rounding point
+  bool has_biases() const { return !b_gate.empty() || !b_up.empty() || !b_down.empty(); }
 };
 
 // One row of a rank's receive schedule: which (source rank, token, top-k slot) it holds.

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "pounce/error.h"
 #include "reference/detail.h"
@@ -147,9 +148,27 @@ void validate_inputs(const Problem& p, const std::vector<RankInputs>& ranks,
                routed_per_rank.size(), " entries but problem.num_ranks = ", p.num_ranks,
                ": pass each rank's local experts");
   for (size_t r = 0; r < routed_per_rank.size(); ++r) {
-    check_weights("routed_per_rank[" + std::to_string(r) + "]", routed_per_rank[r], p.num_local_experts(), H,
-                  p.intermediate, bf16);
+    const std::string name = "routed_per_rank[" + std::to_string(r) + "]";
+    const Weights& w = routed_per_rank[r];
+    check_weights(name, w, p.num_local_experts(), H, p.intermediate, bf16);
+    const int64_t El = p.num_local_experts(), I = p.intermediate;
+    const std::pair<const char*, const std::vector<double>*> biases[] = {
+        {".b_gate", &w.b_gate}, {".b_up", &w.b_up}, {".b_down", &w.b_down}};
+    for (const auto& [part, bias] : biases) {
+      if (bias->empty()) continue;
+      const int64_t cols = bias == &w.b_down ? H : I;
+      check_size(name + part, bias->size(), {El, cols},
+                 bias == &w.b_down ? "[num_local_experts, hidden] (or empty: no bias)"
+                                   : "[num_local_experts, intermediate] (or empty: no bias)");
+      if (bf16) check_representable(name + part, *bias, {El, cols}, true);
+    }
+    POUNCE_CHECK(!w.has_biases() || p.precision == Precision::kBF16, name,
+                 " has expert biases but problem.precision is fp8, which does not support them yet; ",
+                 "run with precision bf16 or pass no biases");
   }
+  POUNCE_CHECK(!shared.has_biases(),
+               "shared has biases but the shared expert has none (only routed experts do); pass empty "
+               "shared.b_gate, b_up, b_down");
   if (p.shared_intermediate > 0) {
     check_weights("shared", shared, 0, H, p.shared_intermediate, bf16);
   } else {

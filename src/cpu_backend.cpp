@@ -82,8 +82,13 @@ reference::Problem make_problem(const WorkspaceState& state) {
   return problem;
 }
 
+// An empty bias stays empty (no bias), as the reference takes it.
 reference::Weights to_weights(const ExpertWeights& weights) {
-  return {to_double(weights.gate), to_double(weights.up), to_double(weights.down)};
+  auto optional = [](const TensorView& view) {
+    return view.is_none() ? std::vector<double>{} : to_double(view);
+  };
+  return {to_double(weights.gate),  to_double(weights.up),  to_double(weights.down),
+          optional(weights.b_gate), optional(weights.b_up), optional(weights.b_down)};
 }
 
 reference::RankInputs to_inputs(const ForwardArgs& args, const TensorView* d_out) {
@@ -97,7 +102,7 @@ reference::RankInputs to_inputs(const ForwardArgs& args, const TensorView* d_out
 }
 
 bool any_given(const ExpertWeights& weights) {
-  return !weights.gate.is_none() || !weights.up.is_none() || !weights.down.is_none();
+  return !weights.gate.is_none() || !weights.up.is_none() || !weights.down.is_none() || weights.has_biases();
 }
 
 CpuGroup& group_of(WorkspaceState& state) {
@@ -284,6 +289,9 @@ void backward(WorkspaceState& state, const BackwardArgs& args, const std::string
   store(mine.d_routed.gate, args.d_routed.gate, args.accumulate_weight_grads);
   store(mine.d_routed.up, args.d_routed.up, args.accumulate_weight_grads);
   store(mine.d_routed.down, args.d_routed.down, args.accumulate_weight_grads);
+  store(mine.d_routed.b_gate, args.d_routed.b_gate, args.accumulate_weight_grads);
+  store(mine.d_routed.b_up, args.d_routed.b_up, args.accumulate_weight_grads);
+  store(mine.d_routed.b_down, args.d_routed.b_down, args.accumulate_weight_grads);
   if (state.shape.has_shared_expert()) {
     store(mine.d_shared.gate, args.d_shared.gate, args.accumulate_weight_grads);
     store(mine.d_shared.up, args.d_shared.up, args.accumulate_weight_grads);

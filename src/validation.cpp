@@ -178,6 +178,9 @@ void add_weights(NamedViews& views, const std::string& prefix, const ExpertWeigh
   views.push_back({prefix + ".gate", &weights.gate});
   views.push_back({prefix + ".up", &weights.up});
   views.push_back({prefix + ".down", &weights.down});
+  views.push_back({prefix + ".b_gate", &weights.b_gate});
+  views.push_back({prefix + ".b_up", &weights.b_up});
+  views.push_back({prefix + ".b_down", &weights.b_down});
 }
 
 NamedViews forward_inputs(const ForwardArgs& args) {
@@ -218,6 +221,15 @@ void check_weights(const Workspace& workspace, const Device& device, const std::
                    const ExpertWeights& weights, bool shared, std::initializer_list<DType> dtypes,
                    bool gradients = false) {
   const Shape& s = workspace.shape();
+  const std::pair<const char*, const TensorView*> biases[] = {
+      {".b_gate", &weights.b_gate}, {".b_up", &weights.b_up}, {".b_down", &weights.b_down}};
+  for (const auto& [part, view] : biases) {
+    if (view->is_none()) continue;
+    POUNCE_CHECK(!shared, "argument '", prefix, part, "' is ", view->describe(),
+                 " but the shared expert has no biases (only routed experts do); leave it empty");
+    check_tensor(device, prefix + part, *view, dtypes,
+                 {s.num_local_experts(), view == &weights.b_down ? s.hidden : s.intermediate});
+  }
   if (shared && !s.has_shared_expert()) {
     check_optional_none(prefix + ".gate", weights.gate);
     check_optional_none(prefix + ".up", weights.up);
@@ -300,6 +312,8 @@ void check_forward_inputs(const Workspace& workspace, const ForwardArgs& args, c
   check_tensor(device, "topk_weights", args.topk_weights, {DType::kFP32}, {num_tokens, s.num_topk});
   check_weights(workspace, device, "routed", args.routed, false, {DType::kBF16});
   check_weights(workspace, device, "shared", args.shared, true, {DType::kBF16});
+  check_expert_biases_supported(workspace.group().backend(), workspace.config().precision, args.routed,
+                                nullptr);
   POUNCE_CHECK(workspace.config().precision == Precision::kBF16 || args.routed_fp8 != nullptr,
                "argument 'routed_fp8' is missing but config.precision is fp8; quantize the weights with ",
                "pounce::quantize_weights_fp8 and pass them");
@@ -329,6 +343,19 @@ int64_t float_bits(float value) {
 
 }  // namespace
 
+void check_expert_biases_supported(Backend backend, Precision precision, const ExpertWeights& routed,
+                                   const ExpertWeights* d_routed) {
+  const bool given = routed.has_biases() || (d_routed != nullptr && d_routed->has_biases());
+  if (!given) return;
+  POUNCE_CHECK(backend != Backend::kGpu,
+               "expert biases are not supported on GPUs yet (arguments 'routed.b_gate', 'routed.b_up', ",
+               "'routed.b_down' and their gradients); fix: leave them empty on a GPU workspace (fold the ",
+               "biases outside the layer, as pounce.torch does for GPT-OSS) or run on the CPU backend");
+  POUNCE_CHECK(precision == Precision::kBF16,
+               "expert biases ('routed.b_gate', 'routed.b_up', 'routed.b_down') are not supported with ",
+               "config.precision = fp8 yet; fix: run with precision bf16 or leave the biases empty");
+}
+
 void validate_forward_args(const Workspace& workspace, const ForwardArgs& args, bool check_out) {
   check_token_count(workspace, args.x);
   const Device device = expected_device(workspace, args.x);
@@ -354,6 +381,20 @@ void validate_backward_args(const Workspace& workspace, const BackwardArgs& args
     check_weights(workspace, device, "d_routed", args.d_routed, false, {DType::kBF16, DType::kFP32}, true);
     check_weights(workspace, device, "d_shared", args.d_shared, true, {DType::kBF16, DType::kFP32}, true);
   }
+  const ExpertWeights &biases = args.inputs.routed, &d_biases = args.d_routed;
+  const std::pair<const char*, const TensorView*> pairs[] = {
+      {"b_gate", &d_biases.b_gate}, {"b_up", &d_biases.b_up}, {"b_down", &d_biases.b_down}};
+  for (const auto& [part, d_bias] : pairs) {
+    const TensorView& bias = d_bias == &d_biases.b_gate ? biases.b_gate
+                             : d_bias == &d_biases.b_up ? biases.b_up
+                                                        : biases.b_down;
+    POUNCE_CHECK(d_bias->is_none() || !bias.is_none(), "argument 'd_routed.", part, "' is ",
+                 d_bias->describe(), " but 'routed.", part,
+                 "' is empty: there is no bias to differentiate; pass the bias or ",
+                 "leave its gradient empty");
+  }
+  check_expert_biases_supported(workspace.group().backend(), workspace.config().precision, args.inputs.routed,
+                                &args.d_routed);
   NamedViews inputs = forward_inputs(args.inputs);
   inputs.push_back({"d_out", &args.d_out});
   NamedViews outputs = {{"d_x", &args.d_x}, {"d_topk_weights", &args.d_topk_weights}};

@@ -18,6 +18,12 @@ namespace pounce {
 void validate_forward_args(const Workspace& workspace, const ForwardArgs& args, bool check_out);
 void validate_backward_args(const Workspace& workspace, const BackwardArgs& args);
 
+// Expert biases (ExpertWeights::b_*, and their gradients when `d_routed` is given) run on the CPU backend
+// in BF16 only for now: throws pounce::Error naming the arguments and the fix on a GPU or in FP8. Both
+// validate_*_args call it; nothing is launched or written before.
+void check_expert_biases_supported(Backend backend, Precision precision, const ExpertWeights& routed,
+                                   const ExpertWeights* d_routed);
+
 // Every field of Shape and Config as one integer (floats by their bits, an unset clamp as -1), so ranks can
 // compare them by value: the CPU backend exchanges them between its threads; on GPUs they are plain bytes
 // to all-gather over the group's communicator before anything is allocated.

@@ -11,10 +11,21 @@ namespace pounce {
 // Routed weights: gate/up [El, I, H], down [El, H, I]. Shared weights: gate/up [Is, H], down [H, Is].
 // Weights may be row-strided views read in place (TensorView::strides), such as the halves of a fused
 // gate_up [El, 2I, H] (gate = [:, :I], up = [:, I:]) or its interleaved rows (docs/design.md §5).
+// Routed experts may have biases (GPT-OSS), each optional (empty = none), dense bf16 like the weights:
+// g = x·w_gate^T + b_gate, u = x·w_up^T + b_up, y = a·w_down^T + b_down, each added to the fp32
+// accumulator before the bf16 rounding point (docs/design.md §1). The shared expert has none. As weight
+// gradients (BackwardArgs::d_routed) the bias fields are the biases' gradients: dtype and accumulation as
+// the weight gradients', dense, each left empty when not wanted, and given only for a bias that is given.
+// Biases are CPU-backend only for now: a GPU workspace rejects them.
 struct ExpertWeights {
   TensorView gate;
   TensorView up;
   TensorView down;
+  TensorView b_gate = {};  // [El, I]
+  TensorView b_up = {};    // [El, I]
+  TensorView b_down = {};  // [El, H]
+
+  bool has_biases() const { return !b_gate.is_none() || !b_up.is_none() || !b_down.is_none(); }
 };
 
 struct Fp8Weights;
