@@ -53,6 +53,11 @@ int64_t rank_field_size(const CheckPlan& plan, const Shape& shape, Field field, 
     case Field::kDSharedUp:
     case Field::kDSharedDown:
       return shared_rows * shape.hidden;
+    case Field::kDRoutedBGate:
+    case Field::kDRoutedBUp:
+      return experts * rows;
+    case Field::kDRoutedBDown:
+      return experts * shape.hidden;
   }
   return 0;
 }
@@ -79,21 +84,38 @@ void to_double(const uint16_t* bits, int64_t n, double* out) {
 }
 
 // One expert's weights: gate/up [inter, hidden], down [hidden, inter], bf16 bits.
+// Optional biases b_gate, b_up [inter], b_down [hidden] (null: none).
 struct Mlp {
   const uint16_t* gate;
   const uint16_t* up;
   const uint16_t* down;
   int64_t inter;
   int64_t hidden;
+  const uint16_t* b_gate = nullptr;
+  const uint16_t* b_up = nullptr;
+  const uint16_t* b_down = nullptr;
 };
+
+double bias(const uint16_t* b, int64_t i) {
+  return b == nullptr ? 0.0 : static_cast<double>(bf16_bits_to_float(b[i]));
+}
 
 Mlp routed_mlp(const HostProblem& problem, int64_t expert) {
   const Shape& s = problem.shape;
   const int64_t El = s.num_local_experts();
   const HostWeights& w = problem.ranks[expert / El].routed;
   const int64_t local = expert % El, size = s.intermediate * s.hidden;
-  return {w.gate.data() + local * size, w.up.data() + local * size, w.down.data() + local * size,
-          s.intermediate, s.hidden};
+  auto at = [&](const std::vector<uint16_t>& b, int64_t n) {
+    return b.empty() ? nullptr : b.data() + local * n;
+  };
+  return {w.gate.data() + local * size,
+          w.up.data() + local * size,
+          w.down.data() + local * size,
+          s.intermediate,
+          s.hidden,
+          at(w.b_gate, s.intermediate),
+          at(w.b_up, s.intermediate),
+          at(w.b_down, s.hidden)};
 }
 
 Mlp shared_mlp(const HostProblem& problem) {
@@ -121,18 +143,19 @@ void activation_backward_checked(const Activation& act, bool masks_at_bf16, doub
   reference::activation_backward(act, g, u, d_a, d_g, d_u);
 }
 
-// g = W_gate x, u = W_up x, a = act(g, u), y = W_down a.
+// g = W_gate x + b_gate, u = W_up x + b_up, a = act(g, u), y = W_down a + b_down.
 void mlp_forward(const Mlp& w, const Activation& act, const double* x, Scratch& s) {
   s.g.resize(w.inter);
   s.u.resize(w.inter);
   s.a.resize(w.inter);
   s.y.assign(w.hidden, 0.0);
   for (int64_t i = 0; i < w.inter; ++i) {
-    s.g[i] = dot(w.gate + i * w.hidden, x, w.hidden);
-    s.u[i] = dot(w.up + i * w.hidden, x, w.hidden);
+    s.g[i] = dot(w.gate + i * w.hidden, x, w.hidden) + bias(w.b_gate, i);
+    s.u[i] = dot(w.up + i * w.hidden, x, w.hidden) + bias(w.b_up, i);
     s.a[i] = reference::activation(act, s.g[i], s.u[i]);
   }
-  for (int64_t h = 0; h < w.hidden; ++h) s.y[h] = dot(w.down + h * w.inter, s.a.data(), w.inter);
+  for (int64_t h = 0; h < w.hidden; ++h)
+    s.y[h] = dot(w.down + h * w.inter, s.a.data(), w.inter) + bias(w.b_down, h);
 }
 
 // d_x += W_gate^T d_g + W_up^T d_u, with d_a = W_down^T d_y; needs s.g, s.u from mlp_forward.
@@ -191,23 +214,28 @@ struct Pair {
 
 // Sampled rows of one expert's weight gradients over `pairs`:
 //   d_gate[ri, :] (+)= d_g_i x,  d_up[ri, :] (+)= d_u_i x,  d_down[:, ri] (+)= w a_i d_out
-// with d_a_i = w <d_out, W_down[:, i]>. Outputs gate/up [rows, H], down [H, rows].
+// with d_a_i = w <d_out, W_down[:, i]>. Outputs gate/up [rows, H], down [H, rows]; with `d_b` (biases):
+// d_b[0] b_gate [rows] (+)= d_g_i, d_b[1] b_up [rows] (+)= d_u_i, d_b[2] b_down [H] (+)= w d_out.
 void evaluate_weight_rows(const HostProblem& problem, bool masks_at_bf16, const Mlp& w,
                           const std::vector<Pair>& pairs, const std::vector<int64_t>& rows, double* d_gate,
-                          double* d_up, double* d_down) {
+                          double* d_up, double* d_down, const std::array<double*, 3>& d_b = {}) {
   const int64_t H = w.hidden, num_rows = static_cast<int64_t>(rows.size());
   std::fill(d_gate, d_gate + num_rows * H, 0.0);
   std::fill(d_up, d_up + num_rows * H, 0.0);
   std::fill(d_down, d_down + num_rows * H, 0.0);
+  for (int b = 0; b < 3; ++b)
+    if (d_b[b] != nullptr) std::fill(d_b[b], d_b[b] + (b == 2 ? H : num_rows), 0.0);
   std::vector<double> x(H), d_out(H);
   for (const Pair& pair : pairs) {
     const HostRank& in = problem.ranks[pair.rank];
     to_double(in.x.data() + pair.token * H, H, x.data());
     to_double(in.d_out.data() + pair.token * H, H, d_out.data());
+    if (d_b[2] != nullptr)
+      for (int64_t h = 0; h < H; ++h) d_b[2][h] += pair.weight * d_out[h];
     for (int64_t ri = 0; ri < num_rows; ++ri) {
       const int64_t i = rows[ri];
-      const double g = dot(w.gate + i * H, x.data(), H);
-      const double u = dot(w.up + i * H, x.data(), H);
+      const double g = dot(w.gate + i * H, x.data(), H) + bias(w.b_gate, i);
+      const double u = dot(w.up + i * H, x.data(), H) + bias(w.b_up, i);
       const double a = reference::activation(problem.activation, g, u);
       double d_a = 0.0;
       for (int64_t h = 0; h < H; ++h)
@@ -215,6 +243,8 @@ void evaluate_weight_rows(const HostProblem& problem, bool masks_at_bf16, const 
       d_a *= pair.weight;
       double d_g = 0.0, d_u = 0.0;
       activation_backward_checked(problem.activation, masks_at_bf16, g, u, d_a, &d_g, &d_u);
+      if (d_b[0] != nullptr) d_b[0][ri] += d_g;
+      if (d_b[1] != nullptr) d_b[1][ri] += d_u;
       for (int64_t h = 0; h < H; ++h) {
         d_gate[ri * H + h] += d_g * x[h];
         d_up[ri * H + h] += d_u * x[h];
@@ -256,9 +286,18 @@ CheckPlan full_check_plan(const HostProblem& problem) {
 // ---- fields --------------------------------------------------------------------------------------------
 
 const char* field_name(Field field) {
-  static constexpr const char* kNames[kNumFields] = {"out",           "d_x",         "d_topk_weights",
-                                                     "d_routed.gate", "d_routed.up", "d_routed.down",
-                                                     "d_shared.gate", "d_shared.up", "d_shared.down"};
+  static constexpr const char* kNames[kNumFields] = {"out",
+                                                     "d_x",
+                                                     "d_topk_weights",
+                                                     "d_routed.gate",
+                                                     "d_routed.up",
+                                                     "d_routed.down",
+                                                     "d_shared.gate",
+                                                     "d_shared.up",
+                                                     "d_shared.down",
+                                                     "d_routed.b_gate",
+                                                     "d_routed.b_up",
+                                                     "d_routed.b_down"};
   return kNames[static_cast<int>(field)];
 }
 
@@ -311,6 +350,15 @@ std::string describe_coordinate(const CheckPlan& plan, const Shape& shape, Field
     case Field::kDSharedDown:
       out << index / shared_rows << ", " << plan.shared_rows[index % shared_rows];
       break;
+    case Field::kDRoutedBGate:
+    case Field::kDRoutedBUp:
+    case Field::kDRoutedBDown: {
+      const int64_t per_expert = field == Field::kDRoutedBDown ? H : rows;
+      const int64_t expert = plan.experts[rank][index / per_expert];
+      out << "local expert " << expert << " (global " << rank * shape.num_local_experts() + expert << "), "
+          << (field == Field::kDRoutedBDown ? index % H : plan.rows[index % rows]);
+      break;
+    }
   }
   out << "]";
   return out.str();
@@ -352,6 +400,11 @@ SampledTensors dense_evaluate(const HostProblem& problem, const CheckPlan& plan,
     if (backward) result[field].resize(routed_offset[R] * rows * H);
   for (Field field : {Field::kDSharedGate, Field::kDSharedUp, Field::kDSharedDown})
     if (backward && s.has_shared_expert()) result[field].resize(R * shared_rows * H);
+  const HostWeights& biases = problem.ranks[0].routed;
+  const bool has[3] = {!biases.b_gate.empty(), !biases.b_up.empty(), !biases.b_down.empty()};
+  const Field bias_fields[3] = {Field::kDRoutedBGate, Field::kDRoutedBUp, Field::kDRoutedBDown};
+  for (int b = 0; b < 3; ++b)
+    if (backward && has[b]) result[bias_fields[b]].resize(routed_offset[R] * (b == 2 ? H : rows));
 
   // Expensive tasks first so the threads finish together: weight tasks, then tokens.
   const int64_t num_weight_tasks = static_cast<int64_t>(weight_tasks.size());
@@ -388,10 +441,13 @@ SampledTensors dense_evaluate(const HostProblem& problem, const CheckPlan& plan,
         routed_offset[rank] + (std::find(plan.experts[rank].begin(), plan.experts[rank].end(), local_expert) -
                                plan.experts[rank].begin());
     const int64_t offset = slot * rows * H;
+    std::array<double*, 3> d_b = {};
+    for (int b = 0; b < 3; ++b)
+      if (has[b]) d_b[b] = result[bias_fields[b]].data() + slot * (b == 2 ? H : rows);
     evaluate_weight_rows(problem, clamp_masks_at_bf16, routed_mlp(problem, expert), pairs, plan.rows,
                          result[Field::kDRoutedGate].data() + offset,
                          result[Field::kDRoutedUp].data() + offset,
-                         result[Field::kDRoutedDown].data() + offset);
+                         result[Field::kDRoutedDown].data() + offset, d_b);
   });
   return result;
 }
@@ -422,6 +478,15 @@ SampledTensors gather_rank(const CheckPlan& plan, const Shape& shape, int64_t ra
       for (int64_t h = 0; h < H; ++h)
         for (int64_t i : plan.rows)
           result[Field::kDRoutedDown].push_back(outputs[Field::kDRoutedDown]((expert * H + h) * I + i));
+  for (Field field : {Field::kDRoutedBGate, Field::kDRoutedBUp}) {
+    if (!outputs[field]) continue;
+    for (int64_t expert : plan.experts[rank])
+      for (int64_t i : plan.rows) result[field].push_back(outputs[field](expert * I + i));
+  }
+  if (outputs[Field::kDRoutedBDown])
+    for (int64_t expert : plan.experts[rank])
+      for (int64_t h = 0; h < H; ++h)
+        result[Field::kDRoutedBDown].push_back(outputs[Field::kDRoutedBDown](expert * H + h));
   if (Is == 0) return result;
   for (Field field : {Field::kDSharedGate, Field::kDSharedUp}) {
     if (!outputs[field]) continue;

@@ -5,7 +5,8 @@
 //   d_x[t]  = MLP_shared'(x[t])^T d_out[t] + sum_j MLP_e'(x[t])^T (w[t,j] d_out[t])
 //   d_topk_weights[t,j] = <d_out[t], MLP_e(x[t])>
 // and the weight gradients of an expert summed over every (token, slot) routed to it, all in double with
-// reference::activation / activation_backward.
+// reference::activation / activation_backward. With routed biases MLP_e adds b_gate, b_up to g, u and b_down
+// to y; d_b_gate/d_b_up[e] sum the pairs' d_g/d_u, d_b_down[e] the pairs' w d_out.
 //
 // A CheckPlan picks what is evaluated: a sample of tokens per rank (out, d_x, d_topk_weights) and a sample
 // of local experts per rank x intermediate indices i (rows i of d_gate and d_up, column i of d_down, whose
@@ -53,8 +54,11 @@ enum class Field {
   kDSharedGate,
   kDSharedUp,
   kDSharedDown,
+  kDRoutedBGate,
+  kDRoutedBUp,
+  kDRoutedBDown,
 };
-inline constexpr int kNumFields = 9;
+inline constexpr int kNumFields = 12;
 const char* field_name(Field field);
 bool is_backward_field(Field field);
 
@@ -62,6 +66,7 @@ bool is_backward_field(Field field);
 //   out, d_x        [tokens, H]         d_topk_weights [tokens, k]
 //   d_routed.gate/up [experts, rows, H]  d_routed.down  [experts, H, rows]
 //   d_shared.gate/up [shared_rows, H]    d_shared.down  [H, shared_rows]
+//   d_routed.b_gate/b_up [experts, rows] d_routed.b_down [experts, H]   (only when the problem has biases)
 struct SampledTensors {
   std::array<std::vector<double>, kNumFields> values;
   std::vector<double>& operator[](Field field) { return values[static_cast<int>(field)]; }

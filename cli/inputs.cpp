@@ -24,7 +24,10 @@ enum class Stream : uint64_t {
   kDown,
   kSharedGate,
   kSharedUp,
-  kSharedDown
+  kSharedDown,
+  kBiasGate,
+  kBiasUp,
+  kBiasDown
 };
 
 uint64_t splitmix64(uint64_t value) {
@@ -115,7 +118,7 @@ void fill_routing(const Shape& shape, uint64_t seed, int64_t rank, HostRank& out
 }  // namespace
 
 HostProblem generate_problem(const Shape& shape, const Activation& activation, uint64_t seed, int num_threads,
-                             const GenerationProgress& on_progress) {
+                             const GenerationProgress& on_progress, bool biases) {
   validate(shape);
   const int64_t R = shape.num_ranks, T = shape.max_tokens, H = shape.hidden, I = shape.intermediate;
   const int64_t El = shape.num_local_experts(), Is = shape.shared_intermediate;
@@ -138,6 +141,13 @@ HostProblem generate_problem(const Shape& shape, const Activation& activation, u
     jobs.push_back({&rank.routed.gate, r, Stream::kGate, 1.0 / std::sqrt(static_cast<double>(H))});
     jobs.push_back({&rank.routed.up, r, Stream::kUp, 1.0 / std::sqrt(static_cast<double>(H))});
     jobs.push_back({&rank.routed.down, r, Stream::kDown, 1.0 / std::sqrt(static_cast<double>(I))});
+    if (!biases) continue;
+    rank.routed.b_gate.resize(El * I);
+    rank.routed.b_up.resize(El * I);
+    rank.routed.b_down.resize(El * H);
+    jobs.push_back({&rank.routed.b_gate, r, Stream::kBiasGate, 0.5});
+    jobs.push_back({&rank.routed.b_up, r, Stream::kBiasUp, 0.5});
+    jobs.push_back({&rank.routed.b_down, r, Stream::kBiasDown, 0.5});
   }
   if (Is > 0) {
     problem.shared.gate.resize(Is * H);

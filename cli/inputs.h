@@ -6,6 +6,7 @@
 //                                                 I or Is for down)
 //   topk_idx            k distinct experts per token, uniform over [0, E)
 //   topk_weights        softmax over k N(0, 1) logits (fp32, > 0)
+//   routed biases       ~ N(0, 0.5)               only when asked for (GPT-OSS-like), rounded to bf16
 //
 // Every tensor is cut into fixed chunks whose generators are seeded from (seed, rank, tensor, chunk), so
 // the values depend only on the seed and the shape, never on the number of threads that made them.
@@ -23,6 +24,8 @@ struct HostWeights {
   std::vector<uint16_t> gate;  // bf16 bits; routed [El, I, H] / shared [Is, H]
   std::vector<uint16_t> up;    // routed [El, I, H] / shared [Is, H]
   std::vector<uint16_t> down;  // routed [El, H, I] / shared [H, Is]
+  // Routed expert biases (`pounce run --biases`), empty = none: b_gate, b_up [El, I], b_down [El, H].
+  std::vector<uint16_t> b_gate = {}, b_up = {}, b_down = {};
 };
 
 struct HostRank {
@@ -49,7 +52,8 @@ inline constexpr int kProgressSteps = 20;
 // Validates `shape` (pounce::Error on bad fields) and generates every rank's inputs. The values do not depend
 // on num_threads or on_progress.
 HostProblem generate_problem(const Shape& shape, const Activation& activation, uint64_t seed,
-                             int num_threads = 0, const GenerationProgress& on_progress = {});
+                             int num_threads = 0, const GenerationProgress& on_progress = {},
+                             bool biases = false);
 
 // Routed (token, slot) pairs with an expert id >= 0, summed over ranks.
 int64_t count_routed_pairs(const HostProblem& problem);

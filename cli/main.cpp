@@ -92,6 +92,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   run_app->add_option("--tolerance", run.tolerance, "max relative error ||got - ref|| / ||ref|| per tensor")
       ->capture_default_str();
+  run_app->add_flag(
+      "--biases", run.biases,
+      "routed expert biases (b_gate, b_up, b_down) and their gradients; CPU backend only for now");
   run_app->add_option("--wgrad-dtype", run.wgrad_dtype, "fp32 | bf16 weight gradients")
       ->capture_default_str();
   run_app->add_option("--json", run.json, "write a JSON report to FILE ('-' = stdout)");

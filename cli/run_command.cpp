@@ -188,7 +188,8 @@ int run_command(const RunOptions& options) {
 
   Progress progress(true);
   progress.stage("generating inputs");
-  const HostProblem problem = generate_problem(s, setup.config.activation, options.seed);
+  const HostProblem problem =
+      generate_problem(s, setup.config.activation, options.seed, 0, {}, options.biases);
   const CheckPlan plan =
       make_check_plan(problem, {setup.check_tokens, options.check_experts, options.check_rows, options.seed});
 

@@ -151,6 +151,9 @@ RunSetup resolve_run(const RunOptions& options, const BackendChoice& backend, co
                  " must be in [1, 64] on the CPU backend (one thread per simulated rank)");
   }
   validate(shape);
+  POUNCE_CHECK(!options.biases || backend.backend == Backend::kCpu,
+               "--biases: expert biases are not supported on GPUs yet; fix: run with --backend cpu, or drop "
+               "--biases");
 
   setup.config.activation = parse_activation(options.activation, options.clamp, activation);
   setup.config.forward_comm_sms = options.comm_sms;

@@ -33,7 +33,8 @@ struct RunOptions {
   int64_t check_rows = 4;                // per sampled expert
   double tolerance = 2e-2;
   std::string wgrad_dtype = "fp32";
-  std::string json;  // "" = none, "-" = stdout
+  bool biases = false;  // routed expert biases b_gate, b_up, b_down and their gradients (CPU backend only)
+  std::string json;     // "" = none, "-" = stdout
 };
 
 // Machine facts the choice depends on.

@@ -221,6 +221,18 @@ class CpuRankRunner final : public RankRunner {
          {d_routed_[0].data(), d_routed_[1].data(), d_routed_[2].data()},
          {d_shared_[0].data(), d_shared_[1].data(), d_shared_[2].data()}},
         wgrad);
+    if (!in.routed.b_gate.empty()) {  // `pounce run --biases`: biases b_gate, b_up [El, I], b_down [El, H]
+      const std::vector<uint16_t>* biases[3] = {&in.routed.b_gate, &in.routed.b_up, &in.routed.b_down};
+      TensorView* views[3] = {&args_.inputs.routed.b_gate, &args_.inputs.routed.b_up,
+                              &args_.inputs.routed.b_down};
+      TensorView* grads[3] = {&args_.d_routed.b_gate, &args_.d_routed.b_up, &args_.d_routed.b_down};
+      for (int b = 0; b < 3; ++b) {
+        const int64_t cols = b == 2 ? H : I;
+        d_biases_[b] = HostBuffer(El * cols);
+        *views[b] = TensorView(mutable_data(biases[b]->data()), DType::kBF16, {El, cols});
+        *grads[b] = TensorView(d_biases_[b].data(), wgrad, {El, cols});
+      }
+    }
     sets_.push_back(
         {args_.inputs.x.data, args_.inputs.topk_idx.data, args_.inputs.topk_weights.data, args_.d_out.data});
     for (int set_idx = 1; set_idx < request.num_input_sets; ++set_idx) {
@@ -260,6 +272,11 @@ class CpuRankRunner final : public RankRunner {
     readers[Field::kDRoutedGate] = grad_reader(d_routed_[0].data());
     readers[Field::kDRoutedUp] = grad_reader(d_routed_[1].data());
     readers[Field::kDRoutedDown] = grad_reader(d_routed_[2].data());
+    if (args_.inputs.routed.has_biases()) {
+      readers[Field::kDRoutedBGate] = grad_reader(d_biases_[0].data());
+      readers[Field::kDRoutedBUp] = grad_reader(d_biases_[1].data());
+      readers[Field::kDRoutedBDown] = grad_reader(d_biases_[2].data());
+    }
     if (shape_.has_shared_expert()) {
       readers[Field::kDSharedGate] = grad_reader(d_shared_[0].data());
       readers[Field::kDSharedUp] = grad_reader(d_shared_[1].data());
@@ -284,8 +301,8 @@ class CpuRankRunner final : public RankRunner {
 
  private:
   std::vector<HostBuffer*> all_outputs() {
-    return {&out_,         &d_x_,         &d_topk_,      &d_routed_[0], &d_routed_[1],
-            &d_routed_[2], &d_shared_[0], &d_shared_[1], &d_shared_[2]};
+    return {&out_,         &d_x_,         &d_topk_,      &d_routed_[0], &d_routed_[1], &d_routed_[2],
+            &d_shared_[0], &d_shared_[1], &d_shared_[2], &d_biases_[0], &d_biases_[1], &d_biases_[2]};
   }
 
   // Input sets 1.. (set 0 is the problem itself): its tokens shifted by input_set_shift rows.
@@ -300,7 +317,7 @@ class CpuRankRunner final : public RankRunner {
   Workspace workspace_;
   BackwardArgs args_;
   HostBuffer out_, d_x_, d_topk_;
-  HostBuffer d_routed_[3], d_shared_[3];
+  HostBuffer d_routed_[3], d_shared_[3], d_biases_[3];
   std::vector<RotatedSet> rotated_;
   std::vector<InputSetData> sets_;  // set 0 (the problem), then rotated_
 };
