@@ -5,6 +5,10 @@
 // uint16 tensor is read as bf16 bit patterns (no other argument takes uint16). Nothing is ever
 // converted or copied: an output that were a copy would be written and then thrown away.
 //
+// Routed weights (and d_routed) are (gate, up, down) or, with expert biases (GPT-OSS; CPU backend only for
+// now), (gate, up, down, b_gate, b_up, b_down): b_gate, b_up [El, I], b_down [El, H] bf16, any of them None
+// for no such bias; in d_routed their gradients (None = not computed; fp32/bf16 as the weight gradients).
+//
 // forward/backward/recompute_forward_context and the collective constructors release the GIL: on the
 // CPU backend the R ranks are R Python threads whose calls meet at a host barrier inside the call.
 #include <nanobind/nanobind.h>
@@ -41,7 +45,8 @@ class TensorArgs {
     return take<>(object, name, policy);
   }
 
-  // (gate, up, down) from any sequence of three tensors; None = no weights (no shared expert). Fills
+  // (gate, up, down) from any sequence of three tensors, or (gate, up, down, b_gate, b_up, b_down) of six
+  // (expert biases, dense); None = no weights (no shared expert). Fills
   // `weights` one tensor at a time, so that a failure leaves the tensors before it converted. A None
   // element stays empty: for gradients, one not to compute (frozen weights); for weights, a missing one
   // (the layer's validation names it).
@@ -49,10 +54,11 @@ class TensorArgs {
                StridePolicy policy = StridePolicy::kDense) {
     if (object.is_none()) return;
     const bool is_sequence = nb::isinstance<nb::sequence>(object) && !nb::isinstance<nb::str>(object);
-    if (!is_sequence || nb::len(object) != 3) {
+    if (!is_sequence || (nb::len(object) != 3 && nb::len(object) != 6)) {
       weights.gate = placeholder();
-      detail::fail("argument '", name, "' must be a tuple (gate, up, down) of three tensors; got ",
-                   describe(object));
+      detail::fail("argument '", name,
+                   "' must be a tuple (gate, up, down) of three tensors, or (gate, up, down, b_gate, b_up, ",
+                   "b_down) of six with expert biases; got ", describe(object));
     }
     auto item = [&](Py_ssize_t i) {
       PyObject* element = PySequence_GetItem(object.ptr(), i);
@@ -72,6 +78,13 @@ class TensorArgs {
     take_one(0, ".gate", weights.gate);
     take_one(1, ".up", weights.up);
     take_one(2, ".down", weights.down);
+    if (nb::len(object) == 3) return;
+    const StridePolicy dense = policy;
+    policy = StridePolicy::kDense;  // biases and their gradients are dense
+    take_one(3, ".b_gate", weights.b_gate);
+    take_one(4, ".b_up", weights.b_up);
+    take_one(5, ".b_down", weights.b_down);
+    policy = dense;
   }
 
  private:

@@ -372,3 +372,30 @@ def test_a_rank_passing_shared_weights_without_a_shared_expert_writes_nothing():
     assert "rank 1 rejected its inputs" in str(errors[0]) and "d_shared.gate" in str(errors[0])
     for rank_arrays in arrays:
         assert np.all(rank_arrays.d_x == POISON)
+
+
+def test_expert_biases_six_tuple():
+    """routed = (gate, up, down, b_gate, b_up, b_down) on the CPU backend: d_b_down[e] is the sum over e's
+    pairs of w * d_out; an expert without rows gets zero bias gradients; a bad length is rejected by name."""
+    p = Problem(hidden=64, intermediate=64, num_experts=4, num_topk=2, num_ranks=1)
+    data = make_ranks(p, [16], seed=5)[0]
+    rank = NumpyRank(data)
+    rank.topk_idx[rank.topk_idx == 3] = 2  # expert 3 gets no rows
+    rng = np.random.default_rng(0)
+    biases = tuple(pounce.bf16_bits(rng.normal(0, 0.5, shape).astype(np.float32))
+                   for shape in [(4, 64), (4, 64), (4, 64)])
+    d_biases = tuple(np.full((4, 64), np.nan, np.float32) for _ in range(3))
+    workspace = pounce.Workspace(pounce.Group.create_cpu(1)[0], shape_of(p, 16), config_of(p))
+    rank.forward(workspace, routed=rank.routed + biases)
+    rank.backward(workspace, routed=rank.routed + biases, d_routed=rank.d_routed + d_biases)
+    d_out = as_float(rank.d_out)
+    want = np.zeros((4, 64))
+    for t in range(16):
+        for j in range(2):
+            if rank.topk_idx[t, j] >= 0:
+                want[rank.topk_idx[t, j]] += rank.topk_weights[t, j] * d_out[t]
+    np.testing.assert_allclose(d_biases[2], want, rtol=2e-2, atol=2e-2)
+    for d_b in d_biases:
+        assert np.all(d_b[3] == 0.0)
+    with pytest.raises(pounce.PounceError, match="'routed' must be a tuple"):
+        rank.forward(workspace, routed=rank.routed + biases[:2])
