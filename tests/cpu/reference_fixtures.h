@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "pounce/error.h"
@@ -142,6 +143,41 @@ inline double max_abs(const std::vector<double>& v) {
   double m = 0;
   for (double x : v) m = std::max(m, std::abs(x));
   return m;
+}
+
+// ---- gradient checks by central differences (fp64 cases) -------------------------------------------------
+
+// The scalar whose gradients backward() returns: sum over ranks of out . d_out.
+inline double output_loss(const Case& c) {
+  const std::vector<RankForward> f = forward(c.problem, c.ranks, c.routed, c.shared);
+  double sum = 0;
+  for (size_t r = 0; r < f.size(); ++r) {
+    for (size_t n = 0; n < f[r].out.size(); ++n) sum += f[r].out[n] * c.ranks[r].d_out[n];
+  }
+  return sum;
+}
+
+inline constexpr double kFiniteDifferenceStep = 1e-5;
+inline constexpr double kFiniteDifferenceRtol = 1e-6;
+
+// Central differences of output_loss() with respect to every element of *values (which lives inside c).
+inline std::vector<double> finite_differences(Case& c, std::vector<double>* values) {
+  std::vector<double> grad(values->size());
+  for (size_t n = 0; n < values->size(); ++n) {
+    const double saved = (*values)[n];
+    (*values)[n] = saved + kFiniteDifferenceStep;
+    const double plus = output_loss(c);
+    (*values)[n] = saved - kFiniteDifferenceStep;
+    const double minus = output_loss(c);
+    (*values)[n] = saved;
+    grad[n] = (plus - minus) / (2 * kFiniteDifferenceStep);
+  }
+  return grad;
+}
+
+inline void expect_matches_fd(const std::vector<double>& analytic, const std::vector<double>& fd,
+                              const std::string& name) {
+  expect_close(analytic, fd, kFiniteDifferenceRtol, kFiniteDifferenceRtol * max_abs(fd), name);
 }
 
 // ---- the plain oracle ---------------------------------------------------------------------------------

@@ -26,9 +26,8 @@ using reference::Numerics;
 using reference::RankForward;
 using reference::RankGradients;
 using reference::testing::Case;
-
-constexpr double kStep = 1e-5;
-constexpr double kRtol = 1e-6;
+using reference::testing::expect_matches_fd;
+using reference::testing::finite_differences;
 
 // Adds random biases to every rank's routed experts (bf16-representable when `bf16`).
 void add_biases(Case& c, uint32_t seed, bool bf16) {
@@ -59,34 +58,6 @@ Case tiny_case(ActivationKind kind, uint32_t seed) {
   c.ranks[1].topk_idx = {3, 1, -1, 4};
   add_biases(c, seed + 1, false);
   return c;
-}
-
-double loss(const Case& c) {
-  const std::vector<RankForward> f = reference::forward(c.problem, c.ranks, c.routed, c.shared);
-  double sum = 0;
-  for (size_t r = 0; r < f.size(); ++r) {
-    for (size_t n = 0; n < f[r].out.size(); ++n) sum += f[r].out[n] * c.ranks[r].d_out[n];
-  }
-  return sum;
-}
-
-std::vector<double> finite_differences(Case& c, std::vector<double>* values) {
-  std::vector<double> grad(values->size());
-  for (size_t n = 0; n < values->size(); ++n) {
-    const double saved = (*values)[n];
-    (*values)[n] = saved + kStep;
-    const double plus = loss(c);
-    (*values)[n] = saved - kStep;
-    const double minus = loss(c);
-    (*values)[n] = saved;
-    grad[n] = (plus - minus) / (2 * kStep);
-  }
-  return grad;
-}
-
-void expect_matches_fd(const std::vector<double>& analytic, const std::vector<double>& fd,
-                       const std::string& name) {
-  reference::testing::expect_close(analytic, fd, kRtol, kRtol * reference::testing::max_abs(fd), name);
 }
 
 // The layer evaluated densely in fp64, token by token, straight from §1: out[t] = ys[t] + sum_j w[t, j] *

@@ -13,38 +13,10 @@ namespace pounce::reference {
 namespace {
 
 using testing::Case;
-
-constexpr double kStep = 1e-5;
-constexpr double kRtol = 1e-6;
-
-double loss(const Case& c) {
-  const std::vector<RankForward> f = forward(c.problem, c.ranks, c.routed, c.shared);
-  double sum = 0;
-  for (size_t r = 0; r < f.size(); ++r) {
-    for (size_t n = 0; n < f[r].out.size(); ++n) sum += f[r].out[n] * c.ranks[r].d_out[n];
-  }
-  return sum;
-}
-
-// Central differences of loss() with respect to every element of *values (which lives inside c).
-std::vector<double> finite_differences(Case& c, std::vector<double>* values) {
-  std::vector<double> grad(values->size());
-  for (size_t n = 0; n < values->size(); ++n) {
-    const double saved = (*values)[n];
-    (*values)[n] = saved + kStep;
-    const double plus = loss(c);
-    (*values)[n] = saved - kStep;
-    const double minus = loss(c);
-    (*values)[n] = saved;
-    grad[n] = (plus - minus) / (2 * kStep);
-  }
-  return grad;
-}
-
-void expect_matches_fd(const std::vector<double>& analytic, const std::vector<double>& fd,
-                       const std::string& name) {
-  testing::expect_close(analytic, fd, kRtol, kRtol * testing::max_abs(fd), name);
-}
+using testing::expect_matches_fd;
+using testing::finite_differences;
+constexpr double kStep = testing::kFiniteDifferenceStep;
+constexpr double kRtol = testing::kFiniteDifferenceRtol;
 
 // Every g and u the layer computes (routed pairs and shared rows), in fp64.
 std::vector<double> pre_activations(const Case& c) {
