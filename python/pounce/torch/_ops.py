@@ -23,8 +23,9 @@ and the kernels write the halves into it (views), or it concatenates the two hal
 autograd never scatters half-size gradients into zero-filled full-size ones.
 
 Frozen weights. When no routed (or no shared) weight requires grad, backward returns no gradient for
-them. The C++ layer still computes them today: they go to one scratch set per shape, dtype and device
-that every frozen layer reuses (no allocation per step; backward calls are ordered on the stream).
+them and passes the set as None, so the layer launches none of its weight-gradient GEMMs
+(``pounce.supports_frozen_weight_grads``). With a build that cannot skip them they go to one scratch set per
+shape, dtype and device that every frozen layer reuses.
 """
 from __future__ import annotations
 
@@ -69,6 +70,11 @@ def _empty_grads(like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(like.new_empty((0,)) for _ in range(3))
 
 
+def supports_frozen_weight_grads() -> bool:
+    """True when the C++ layer skips the weight gradients of a set passed as None (no GEMM, nothing written)."""
+    return bool(getattr(pounce, "supports_frozen_weight_grads", False))
+
+
 def supports_expert_stride() -> bool:
     """True when the C++ layer reads weight views whose experts are strided apart (the halves of a fused
     gate_up tensor) and writes their gradients in place."""
@@ -106,13 +112,13 @@ class _GradSet:
     """The gradients of one weight set (gate, up, down): what the kernels write and what the op returns.
 
     ``fused``: gate and up are the halves of one [El,2I,H] tensor; its gradient is returned whole in the
-    gate slot and the up slot returns an empty tensor. ``wanted`` False: scratch is written, nothing is
-    returned (three empty tensors)."""
+    gate slot and the up slot returns an empty tensor. ``wanted`` False: nothing is returned (three empty
+    tensors), and nothing is computed where the layer skips a set passed as None (else scratch is written)."""
 
     def __init__(self, weights, dtype: torch.dtype, *, wanted: bool, fused: bool):
         self.concat = False
         if not wanted:
-            self.written = _scratch_grads(weights, dtype)
+            self.written = None if supports_frozen_weight_grads() else _scratch_grads(weights, dtype)
             self.returned = _empty_grads(weights[0])
             return
         gate, up, down = weights
