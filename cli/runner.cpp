@@ -247,7 +247,10 @@ class CpuRankRunner final : public RankRunner {
   void use_input_set(int set_idx) override { bind_input_set(args_, sets_, set_idx); }
 
   void poison() override {
-    for (HostBuffer* buffer : all_outputs()) std::memset(buffer->data(), 0xff, buffer->bytes());
+    for (HostBuffer* buffer : all_outputs()) {
+      if (buffer->bytes() > 0)
+        std::memset(buffer->data(), 0xff, buffer->bytes());  // absent biases: no storage
+    }
   }
 
   double forward() override {
