@@ -35,6 +35,9 @@ void check_fp8_tensor(const std::string& name, const Fp8Tensor& tensor, const st
                ".data' is ", tensor.data.describe(), "; it must be fp8e4m3 (or uint8 holding e4m3 bits)");
   POUNCE_CHECK(tensor.data.shape == shape, "argument '", name, ".data' is ", tensor.data.describe(),
                "; expected [", shape[0], ", ", shape[1], ", ", shape[2], "]");
+  POUNCE_CHECK(tensor.data.is_dense() && tensor.scale.is_dense(), "argument '", name, "' is a strided view (",
+               tensor.data.describe(), ", scale ", tensor.scale.describe(),
+               "); the quantizer writes dense tensors: pass contiguous ones");
   const std::vector<int64_t> scale_shape = {shape[0], blocks_n, blocks_k};
   POUNCE_CHECK(tensor.scale.dtype == DType::kFP32 && tensor.scale.shape == scale_shape, "argument '", name,
                ".scale' is ", tensor.scale.describe(), "; expected fp32[", shape[0], ", ", blocks_n, ", ",
@@ -45,6 +48,9 @@ void check_job(const Job& job) {
   const TensorView& w = job.weights;
   POUNCE_CHECK(w.dtype == DType::kBF16 && w.rank() == 3, "argument 'routed.", job.name, "' is ", w.describe(),
                "; it must be a bf16 [El, N, K] tensor");
+  POUNCE_CHECK(w.is_dense(), "argument 'routed.", job.name, "' is a strided view (", w.describe(),
+               "); quantize_weights_fp8 reads dense weights: pass a contiguous copy (e.g. the fused gate_up "
+               "tensor's halves made contiguous)");
   POUNCE_CHECK(w.shape[1] < (int64_t{1} << 31) && w.shape[2] < (int64_t{1} << 31), "argument 'routed.",
                job.name, "' is ", w.describe(), "; N and K must stay below 2^31");
   check_fp8_tensor("out." + job.name, job.out, w.shape);

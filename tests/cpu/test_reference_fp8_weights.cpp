@@ -119,6 +119,16 @@ TEST(ReferenceFp8Weights, BadArgumentsNameTheArgumentAndTheFix) {
       << message;
   EXPECT_NE(message.find("put every weight and output on cpu"), std::string::npos) << message;
 
+  routed = b.routed();  // a strided view (rows kH + 64 apart) would be misread as dense
+  routed.gate.strides = {kI * (kH + 64), kH + 64, 1};
+  message = error_of(routed, b.out());
+  EXPECT_NE(message.find("'routed.gate' is a strided view"), std::string::npos) << message;
+
+  out = b.out();
+  out.down_t.data.strides = {kI * kH, kH, 1};
+  message = error_of(b.routed(), out);
+  EXPECT_NE(message.find("'out.down_t' is a strided view"), std::string::npos) << message;
+
   b.up[1 * kI * kH + 7 * kH + 9] = 0x7f80;  // +inf
   message = error_of(b.routed(), b.out());
   EXPECT_NE(message.find("'routed.up'[1, 7, 9] is not finite"), std::string::npos) << message;
