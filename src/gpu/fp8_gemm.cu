@@ -3,10 +3,11 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
+#include <mutex>
 
 #include "kernels/gemm/fp8_gemm_kernel.cuh"
 #include "pounce/error.h"
+#include "src/gpu/gemm_device.h"
 #include "src/gpu/tma.h"
 
 namespace pounce::kernels {
@@ -15,48 +16,30 @@ namespace {
 using gemm::Fp8GemmConfig;
 using gemm::Fp8Kind;
 
-__device__ int32_t g_fp8_gemm_error = 0;
-
-constexpr int kMaxDevices = 64;
-
 #define POUNCE_FP8_CUDA_CHECK(expr)                                                                 \
   do {                                                                                              \
     const cudaError_t err_ = (expr);                                                                \
     POUNCE_CHECK(err_ == cudaSuccess, #expr, " failed: ", cudaGetErrorString(err_), " (FP8 GEMM)"); \
   } while (0)
 
-struct DeviceInfo {
-  int num_sms = 0;
-  int32_t* error_flag = nullptr;
-};
-
-const DeviceInfo& device_info() {
-  static std::array<DeviceInfo, kMaxDevices> infos{};
-  static std::array<std::atomic<bool>, kMaxDevices> ready{};
-  int device = 0;
-  POUNCE_FP8_CUDA_CHECK(cudaGetDevice(&device));
-  POUNCE_CHECK(device >= 0 && device < kMaxDevices, "device index ", device, " beyond ", kMaxDevices);
-  if (!ready[device].load(std::memory_order_acquire)) {
-    DeviceInfo info;
-    POUNCE_FP8_CUDA_CHECK(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device));
-    int max_smem = 0;
-    POUNCE_FP8_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    POUNCE_CHECK(static_cast<size_t>(max_smem) >= gemm::kFp8SharedBytes, "device ", device, " offers ",
-                 max_smem, " bytes of shared memory per block, the FP8 GEMM needs ", gemm::kFp8SharedBytes,
+// The grouped GEMMs' device state (gemm_device.h), and the FP8 kernels' shared-memory limit raised once per
+// device.
+const GemmDevice& fp8_device() {
+  const GemmDevice& device = gemm_device();
+  static std::array<std::once_flag, kMaxGemmDevices> limits_raised;
+  std::call_once(limits_raised[device.index], [&] {
+    POUNCE_CHECK(static_cast<size_t>(device.max_shared_bytes) >= gemm::kFp8SharedBytes, "device ",
+                 device.index, " offers ", device.max_shared_bytes,
+                 " bytes of shared memory per block, the FP8 GEMM needs ", gemm::kFp8SharedBytes,
                  "; fix: run on a Hopper (sm_90a) GPU");
-    void* flag = nullptr;
-    POUNCE_FP8_CUDA_CHECK(cudaGetSymbolAddress(&flag, g_fp8_gemm_error));
-    info.error_flag = static_cast<int32_t*>(flag);
     for (const void* kernel :
          {reinterpret_cast<const void*>(gemm::fp8_grouped_gemm_kernel<Fp8Kind::kRows>),
           reinterpret_cast<const void*>(gemm::fp8_grouped_gemm_kernel<Fp8Kind::kGateUp>),
           reinterpret_cast<const void*>(gemm::fp8_grouped_gemm_kernel<Fp8Kind::kWeightGrad>)})
       POUNCE_FP8_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  static_cast<int>(gemm::kFp8SharedBytes)));
-    infos[device] = info;
-    ready[device].store(true, std::memory_order_release);
-  }
-  return infos[device];
+  });
+  return device;
 }
 
 int64_t blocks_of(int64_t extent, int64_t block) {
@@ -138,7 +121,7 @@ gemm::Fp8GemmArgs grouped_args(const GroupedRows& rows, int64_t n) {
 
 void launch(Fp8Kind kind, const gemm::Fp8TensorMaps& maps, gemm::Fp8GemmArgs args, int64_t max_tiles,
             int max_ctas, cudaStream_t stream) {
-  const DeviceInfo& info = device_info();
+  const GemmDevice& info = fp8_device();
   args.common.error_flag = info.error_flag;
   const int ctas = max_ctas > 0 ? std::min(max_ctas, info.num_sms) : info.num_sms;
   const int grid = static_cast<int>(std::min<int64_t>(ctas, max_tiles));
@@ -284,17 +267,6 @@ void fp8_grouped_weight_grad(const GroupedRows& rows, const Fp8Columns& a_t, int
   maps.a_scale[0] = maps.a_scale[1] = scale_map(a_t.scale, row_blocks, m, a_t.scale_ld);
   maps.b_scale = scale_map(b_t.scale, row_blocks, n, b_t.scale_ld);
   launch(Fp8Kind::kWeightGrad, maps, args, tiles, rows.max_ctas, stream);
-}
-
-int32_t fp8_gemm_error_code(bool reset) {
-  int32_t code = 0;
-  POUNCE_FP8_CUDA_CHECK(cudaDeviceSynchronize());
-  POUNCE_FP8_CUDA_CHECK(cudaMemcpyFromSymbol(&code, g_fp8_gemm_error, sizeof(code)));
-  if (reset) {
-    const int32_t zero = 0;
-    POUNCE_FP8_CUDA_CHECK(cudaMemcpyToSymbol(g_fp8_gemm_error, &zero, sizeof(zero)));
-  }
-  return code;
 }
 
 }  // namespace pounce::kernels

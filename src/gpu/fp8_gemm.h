@@ -7,7 +7,8 @@
 // E4M3 data with power-of-two fp32 scales: activations in 1x128 blocks along K (per row and K block),
 // weights in 128x128 blocks, the weight gradients' token-axis copies in 128-row blocks along the rows. Each
 // 128-deep K block's partial sum is promoted into fp32 as partial * scale_a * scale_b, K blocks ascending.
-// Calls are stream-ordered, allocate nothing, never synchronise and are CUDA-graph capturable.
+// Calls are stream-ordered, allocate nothing, never synchronise and are CUDA-graph capturable. A bounded wait
+// that times out is recorded where the bf16 GEMMs record theirs: grouped_gemm_error_code reads it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -74,9 +75,5 @@ void fp8_grouped_gate_up(const GroupedRows& rows, const Fp8Rows& x, const Fp8Mat
 // without rows gets zeros (nothing added). m, n multiples of 64.
 void fp8_grouped_weight_grad(const GroupedRows& rows, const Fp8Columns& a_t, int64_t m, const Fp8Columns& b_t,
                              int64_t n, void* d, WeightGradMode mode, cudaStream_t stream);
-
-// The first bounded-wait timeout any FP8 GEMM recorded on the current device (codes as
-// grouped_gemm_error_code). Synchronises the device: for tests and error reporting.
-int32_t fp8_gemm_error_code(bool reset);
 
 }  // namespace pounce::kernels

@@ -5,6 +5,7 @@
 #include <array>
 #include <atomic>
 
+#include "src/gpu/gemm_device.h"
 #include "src/gpu/tma.h"
 #include "src/gpu/gemm_operands.h"
 #include "kernels/gemm/grouped_gemm_kernel.cuh"
@@ -19,8 +20,6 @@ using gemm::GemmConfig;
 using gemm::KernelKind;
 
 __device__ int32_t g_grouped_gemm_error = 0;
-
-constexpr int kMaxDevices = 64;
 
 #define POUNCE_GEMM_CUDA_CHECK(expr)                                                                    \
   do {                                                                                                  \
@@ -40,22 +39,19 @@ void set_shared_limit() {
                                               static_cast<int>(shared_bytes_of<kKind>())));
 }
 
-struct DeviceInfo {
-  int num_sms = 0;
-  int32_t* error_flag = nullptr;
-};
+}  // namespace
 
-// SM count, error flag address and the opt-in shared-memory limit, set up once per device.
-const DeviceInfo& device_info() {
-  static std::array<DeviceInfo, kMaxDevices> infos{};
-  static std::array<std::atomic<bool>, kMaxDevices> ready{};
+const GemmDevice& gemm_device() {
+  static std::array<GemmDevice, kMaxGemmDevices> infos{};
+  static std::array<std::atomic<bool>, kMaxGemmDevices> ready{};
   int device = 0;
   POUNCE_GEMM_CUDA_CHECK(cudaGetDevice(&device));
-  POUNCE_CHECK(device >= 0 && device < kMaxDevices, "device index ", device, " beyond ", kMaxDevices);
+  POUNCE_CHECK(device >= 0 && device < kMaxGemmDevices, "device index ", device, " beyond ", kMaxGemmDevices);
   if (!ready[device].load(std::memory_order_acquire)) {
-    DeviceInfo info;
+    GemmDevice info;
+    info.index = device;
     POUNCE_GEMM_CUDA_CHECK(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device));
-    int max_smem = 0;
+    int& max_smem = info.max_shared_bytes;
     POUNCE_GEMM_CUDA_CHECK(
         cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     constexpr size_t kMostBytes = std::max(
@@ -82,6 +78,8 @@ const DeviceInfo& device_info() {
   }
   return infos[device];
 }
+
+namespace {
 
 void check_common(const GroupedRows& rows, const void* a, int64_t n, int64_t k) {
   POUNCE_CHECK(rows.max_rows >= 0 && rows.max_rows % GemmConfig::BLOCK_M == 0,
@@ -182,7 +180,7 @@ gemm::OutputMaps output_maps(const gemm::GroupedGemmArgs& args) {
 
 template <KernelKind kKind>
 void launch(GemmOperands operands, int64_t max_tiles, int max_ctas, cudaStream_t stream) {
-  const DeviceInfo& info = device_info();
+  const GemmDevice& info = gemm_device();
   operands.args.error_flag = info.error_flag;
   const int ctas = max_ctas > 0 ? std::min(max_ctas, info.num_sms) : info.num_sms;
   const int grid = static_cast<int>(std::min<int64_t>(ctas, max_tiles));
@@ -195,7 +193,7 @@ void launch(GemmOperands operands, int64_t max_tiles, int max_ctas, cudaStream_t
 using PingPongKernel = void (*)(CUtensorMap, CUtensorMap, gemm::GroupedGemmArgs);
 void launch_pingpong(PingPongKernel kernel, GemmOperands operands, int64_t max_tiles, int max_ctas,
                      cudaStream_t stream) {
-  const DeviceInfo& info = device_info();
+  const GemmDevice& info = gemm_device();
   operands.args.error_flag = info.error_flag;
   const int ctas = max_ctas > 0 ? std::min(max_ctas, info.num_sms) : info.num_sms;
   const int grid = static_cast<int>(std::min<int64_t>(ctas, max_tiles));
@@ -407,7 +405,7 @@ void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, i
 }
 
 int32_t grouped_gemm_error_code(bool reset) {
-  const DeviceInfo& info = device_info();
+  const GemmDevice& info = gemm_device();
   POUNCE_GEMM_CUDA_CHECK(cudaDeviceSynchronize());
   int32_t code = 0;
   POUNCE_GEMM_CUDA_CHECK(cudaMemcpy(&code, info.error_flag, sizeof(code), cudaMemcpyDeviceToHost));

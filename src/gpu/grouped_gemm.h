@@ -88,7 +88,8 @@ void grouped_weight_grad(const GroupedRows& rows, const void* a, int64_t a_ld, i
                          int64_t b_ld, int64_t n, void* d, WeightGradMode mode, cudaStream_t stream,
                          TileSchedule schedule = TileSchedule::kCooperative);
 
-// Diagnostics: the first bounded-wait timeout any grouped GEMM kernel recorded on the current device
+// Diagnostics: the first bounded-wait timeout any grouped GEMM kernel (bf16 or FP8, src/gpu/fp8_gemm.h)
+// recorded on the current device
 // (0 = none; 1 = consumer waited too long for a filled stage, 2 = producer waited too long for a free
 // stage, 3 = group_row_offset[num_groups] exceeded max_rows: the excess rows were skipped). Synchronises the
 // device; for tests and error reporting, not for the hot path.

@@ -27,9 +27,11 @@
 #include "reference/bf16.h"
 #include "reference/reference.h"
 #include "src/gpu/fp8_gemm.h"
+#include "src/gpu/grouped_gemm.h"
 
 namespace {
 
+using pounce::gpu_test::bf16_ulp;
 using pounce::gpu_test::bitwise_difference;
 using pounce::gpu_test::count_unpoisoned;
 using pounce::gpu_test::DeviceBuffer;
@@ -45,12 +47,6 @@ constexpr int64_t kBlock = 128;
 
 int64_t blocks_of(int64_t extent) {
   return (extent + kBlock - 1) / kBlock;
-}
-
-float bf16_ulp(float x) {
-  int e = 0;
-  std::frexp(std::fabs(x), &e);
-  return std::ldexp(1.0f, e - 8);
 }
 
 // [rows, cols] values whose magnitude changes with the row and the column block, never zero.
@@ -187,7 +183,7 @@ void run_rows_case(const RowsCase& p) {
       pounce::kernels::fp8_grouped_gemm_pair(rows, a_dev[0], b_dev[0], p.k0, a_dev[1], b_dev[1], p.k1,
                                              d_c.ptr, p.n, nullptr);
     }
-    ASSERT_EQ(pounce::kernels::fp8_gemm_error_code(true), 0);
+    ASSERT_EQ(pounce::kernels::grouped_gemm_error_code(true), 0);
     CUDA_OK(cudaMemcpy(second.data(), d_c.ptr, out_count * 2, cudaMemcpyDeviceToHost));
     if (run == 0) first = second;
   }
@@ -267,7 +263,7 @@ void run_gate_up_case(const std::vector<int32_t>& rows_per_group, int64_t max_ro
                                          Fp8Matrices{wg_bits.ptr, wg_scale.ptr},
                                          Fp8Matrices{wu_bits.ptr, wu_scale.ptr}, g.ptr, u.ptr, a.ptr,
                                          {a_q.ptr, a_scale.ptr, scale_ld}, n, k, activation, nullptr);
-    ASSERT_EQ(pounce::kernels::fp8_gemm_error_code(true), 0);
+    ASSERT_EQ(pounce::kernels::grouped_gemm_error_code(true), 0);
     out[run] = {download<uint16_t>(g.ptr, count), download<uint16_t>(u.ptr, count),
                 download<uint16_t>(a.ptr, count), download<uint8_t>(a_q.ptr, count),
                 download<float>(a_scale.ptr, scale_count)};
@@ -379,7 +375,7 @@ void run_weight_grad_case(const std::vector<int32_t>& rows_per_group, int64_t ma
       CUDA_OK(cudaMemset(d_out.ptr, 0xFF, bytes));
     }
     pounce::kernels::fp8_grouped_weight_grad(rows, a_dev, m, b_dev, n, d_out.ptr, mode, nullptr);
-    ASSERT_EQ(pounce::kernels::fp8_gemm_error_code(true), 0);
+    ASSERT_EQ(pounce::kernels::grouped_gemm_error_code(true), 0);
     CUDA_OK(cudaMemcpy(second.data(), d_out.ptr, bytes, cudaMemcpyDeviceToHost));
     if (run == 0) first = second;
   }
