@@ -180,6 +180,26 @@ inline void expect_matches_fd(const std::vector<double>& analytic, const std::ve
   expect_close(analytic, fd, kFiniteDifferenceRtol, kFiniteDifferenceRtol * max_abs(fd), name);
 }
 
+// backward() of c, with every rank's gradient of its own inputs and routed weights (biases, where the case
+// has them) checked against finite differences; the shared expert's, a sum over ranks, is left to the caller.
+inline std::vector<RankGradients> expect_rank_gradients_match_fd(Case& c) {
+  const std::vector<RankGradients> grads = backward(c.problem, c.ranks, c.routed, c.shared);
+  for (int64_t r = 0; r < c.problem.num_ranks; ++r) {
+    const std::string rank = "[rank " + std::to_string(r) + "]";
+    const RankGradients& g = grads[r];
+    expect_matches_fd(g.d_x, finite_differences(c, &c.ranks[r].x), "d_x" + rank);
+    expect_matches_fd(g.d_topk_weights, finite_differences(c, &c.ranks[r].topk_weights),
+                      "d_topk_weights" + rank);
+    expect_matches_fd(g.d_routed.gate, finite_differences(c, &c.routed[r].gate), "d_w_gate" + rank);
+    expect_matches_fd(g.d_routed.up, finite_differences(c, &c.routed[r].up), "d_w_up" + rank);
+    expect_matches_fd(g.d_routed.down, finite_differences(c, &c.routed[r].down), "d_w_down" + rank);
+    expect_matches_fd(g.d_routed.b_gate, finite_differences(c, &c.routed[r].b_gate), "d_b_gate" + rank);
+    expect_matches_fd(g.d_routed.b_up, finite_differences(c, &c.routed[r].b_up), "d_b_up" + rank);
+    expect_matches_fd(g.d_routed.b_down, finite_differences(c, &c.routed[r].b_down), "d_b_down" + rank);
+  }
+  return grads;
+}
+
 // ---- the plain oracle ---------------------------------------------------------------------------------
 // T = float with bf16 rounding emulates kBf16, T = double is kFp64. Each routed pair and each shared row
 // is computed on its own with the §1 formulas; weight gradients sum over build_schedule()'s rows in order

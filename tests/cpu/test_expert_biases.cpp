@@ -132,20 +132,7 @@ Dense dense_fp64(const Case& c) {
 }
 
 void check_gradients(Case c) {
-  const std::vector<RankGradients> grads = reference::backward(c.problem, c.ranks, c.routed, c.shared);
-  for (int64_t r = 0; r < c.problem.num_ranks; ++r) {
-    const std::string rank = "[rank " + std::to_string(r) + "]";
-    const RankGradients& g = grads[r];
-    expect_matches_fd(g.d_x, finite_differences(c, &c.ranks[r].x), "d_x" + rank);
-    expect_matches_fd(g.d_topk_weights, finite_differences(c, &c.ranks[r].topk_weights),
-                      "d_topk_weights" + rank);
-    expect_matches_fd(g.d_routed.gate, finite_differences(c, &c.routed[r].gate), "d_w_gate" + rank);
-    expect_matches_fd(g.d_routed.up, finite_differences(c, &c.routed[r].up), "d_w_up" + rank);
-    expect_matches_fd(g.d_routed.down, finite_differences(c, &c.routed[r].down), "d_w_down" + rank);
-    expect_matches_fd(g.d_routed.b_gate, finite_differences(c, &c.routed[r].b_gate), "d_b_gate" + rank);
-    expect_matches_fd(g.d_routed.b_up, finite_differences(c, &c.routed[r].b_up), "d_b_up" + rank);
-    expect_matches_fd(g.d_routed.b_down, finite_differences(c, &c.routed[r].b_down), "d_b_down" + rank);
-  }
+  const std::vector<RankGradients> grads = reference::testing::expect_rank_gradients_match_fd(c);
   std::vector<double> d_ws_gate(c.shared.gate.size());
   for (const RankGradients& g : grads)
     for (size_t n = 0; n < d_ws_gate.size(); ++n) d_ws_gate[n] += g.d_shared.gate[n];

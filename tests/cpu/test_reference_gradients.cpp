@@ -87,18 +87,10 @@ Case tiny_case(const Activation& act, bool clamp, uint32_t seed) {
 }
 
 void check_all_gradients(Case c) {
-  const std::vector<RankGradients> grads = backward(c.problem, c.ranks, c.routed, c.shared);
+  const std::vector<RankGradients> grads = testing::expect_rank_gradients_match_fd(c);
   std::vector<double> d_ws_gate(c.shared.gate.size()), d_ws_up(c.shared.up.size()),
       d_ws_down(c.shared.down.size());
-  for (int64_t r = 0; r < c.problem.num_ranks; ++r) {
-    const std::string rank = "[rank " + std::to_string(r) + "]";
-    const RankGradients& g = grads[r];
-    expect_matches_fd(g.d_x, finite_differences(c, &c.ranks[r].x), "d_x" + rank);
-    expect_matches_fd(g.d_topk_weights, finite_differences(c, &c.ranks[r].topk_weights),
-                      "d_topk_weights" + rank);
-    expect_matches_fd(g.d_routed.gate, finite_differences(c, &c.routed[r].gate), "d_w_gate" + rank);
-    expect_matches_fd(g.d_routed.up, finite_differences(c, &c.routed[r].up), "d_w_up" + rank);
-    expect_matches_fd(g.d_routed.down, finite_differences(c, &c.routed[r].down), "d_w_down" + rank);
+  for (const RankGradients& g : grads) {
     // The shared weights are one tensor used by every rank: its gradient is the sum of the ranks'.
     for (size_t n = 0; n < d_ws_gate.size(); ++n) {
       d_ws_gate[n] += g.d_shared.gate[n], d_ws_up[n] += g.d_shared.up[n], d_ws_down[n] += g.d_shared.down[n];

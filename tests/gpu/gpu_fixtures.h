@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -144,6 +145,13 @@ reference::testing::Case make_reference_case(const Model& m, const std::vector<R
 
 // Outputs are filled with 0xFF bytes before every run: a bf16 NaN (0xFFFF) and an fp32 NaN, so an element
 // a kernel failed to write can never pass for a result.
+// The spacing of bf16 values around |x| (8 significant bits): the unit of the GEMM tests' tolerances.
+inline float bf16_ulp(float x) {
+  int e = 0;
+  std::frexp(std::fabs(x), &e);  // |x| in [2^(e-1), 2^e)
+  return std::ldexp(1.0f, e - 8);
+}
+
 inline constexpr uint16_t kPoison = 0xFFFF;
 void poison(void* ptr, size_t bytes, cudaStream_t stream);
 

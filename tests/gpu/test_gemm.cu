@@ -38,6 +38,7 @@
 
 namespace {
 
+using pounce::gpu_test::bf16_ulp;
 using pounce::gpu_test::bitwise_difference;
 using pounce::gpu_test::count_unpoisoned;
 using pounce::gpu_test::DeviceBuffer;
@@ -59,12 +60,6 @@ std::vector<uint16_t> nonzero_random_bf16(size_t count, uint32_t seed, float sca
     v = to_bf16(x);
   }
   return out;
-}
-
-float bf16_ulp(float x) {
-  int e = 0;
-  std::frexp(std::fabs(x), &e);  // |x| in [2^(e-1), 2^e)
-  return std::ldexp(1.0f, e - 8);
 }
 
 struct Problem {
