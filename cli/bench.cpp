@@ -213,6 +213,7 @@ std::vector<Measurement> measure(const HostProblem& problem, const Measurement& 
     request.config.backend = setup.backend;
     select_impl(setup.impl, request.config);
     request.config.macrobatch_size = setup.macrobatch_size;
+    request.config.precision = setup.precision;
     request.warmup = setup.warmup;
     request.iters = setup.iters;
     request.wgrad_fp32 = false;  // bf16 weight gradients, as the baseline's autograd produces
@@ -220,6 +221,7 @@ std::vector<Measurement> measure(const HostProblem& problem, const Measurement& 
     request.num_input_sets = setup.input_sets;
     request.progress = progress;
     const RunOutcome outcome = setup.backend == Backend::kCpu ? run_on_cpu(request) : run_on_gpu(request);
+    common.weight_quantize_ms = outcome.weight_quantize_ms;
     return take_measurements(outcome, passes, common);
   } catch (const std::exception& error) {
     return failed_measurements(passes, common, error.what());
@@ -244,7 +246,7 @@ json make_record(const RecordContext& context, const Measurement& m) {
       {"ranks", s.num_ranks},
       {"tokens_per_rank", s.max_tokens},
       {"macrobatch_size", m.macrobatch_size},
-      {"precision", to_string(Precision::kBF16)},
+      {"precision", to_string(m.precision)},
       {"median_ms", number_or_null(measured, median_ms)},
       {"tflops", number_or_null(measured, tflops(m.flops, median_ms))},
       {"speedup_vs_baseline", nullptr},
@@ -277,6 +279,15 @@ json make_record(const RecordContext& context, const Measurement& m) {
       {"activation", to_string(m.activation.kind)},
       {"repeat_bitwise_equal", m.repeat_bitwise_equal ? json(*m.repeat_bitwise_equal) : json(nullptr)},
   };
+  if (m.precision == Precision::kFP8) {
+    record["speedup_vs_bf16"] = nullptr;
+    record["weight_quantize_ms"] = m.weight_quantize_ms ? json(*m.weight_quantize_ms) : json(nullptr);
+    record["precision_notes"] =
+        "routed experts in block-scaled E4M3 (docs/design.md §1), the shared expert BF16; speedup_vs_bf16: "
+        "the BF16 layer of the same impl, measured just before in the same run on the same inputs; the "
+        "baseline and the peers are BF16 (speedup_vs_baseline, speedup_vs compare with them); the weights "
+        "are quantized once, outside the timed runs (weight_quantize_ms, one call, the slowest rank)";
+  }
   if (!measured) record["error"] = m.error.empty() ? "not measured" : m.error;
   return record;
 }
@@ -290,6 +301,10 @@ ConfigKey config_key(const json& record) {
                    record.value("tokens_per_rank", int64_t{0})};
 }
 
+bool is_fp8(const json& record) {
+  return record.value("precision", std::string(to_string(Precision::kBF16))) == to_string(Precision::kFP8);
+}
+
 double ms_of(const json& record, const char* field) {
   const auto found = record.find(field);
   return found != record.end() && found->is_number() ? found->get<double>() : 0.0;
@@ -299,10 +314,12 @@ double ms_of(const json& record, const char* field) {
 
 void apply_speedups(json& records) {
   // impl -> its time, per configuration; the median of all timed runs, and of their later half (both sides'
-  // runs in the same regime of the power limiter; a baseline record without it leaves the late speedup null)
+  // runs in the same regime of the power limiter; a baseline record without it leaves the late speedup null).
+  // BF16 records only: FP8 records are the ones compared with them.
   std::map<ConfigKey, std::map<std::string, double>> median_ms, late_ms;
   for (const json& record : records) {
     const std::string impl = record.value("impl", "");
+    if (is_fp8(record)) continue;
     if (ms_of(record, "median_ms") > 0) median_ms[config_key(record)][impl] = ms_of(record, "median_ms");
     if (ms_of(record, "late_median_ms") > 0)
       late_ms[config_key(record)][impl] = ms_of(record, "late_median_ms");
@@ -320,6 +337,7 @@ void apply_speedups(json& records) {
     record["speedup_vs_baseline"] = ratio(median_ms, key, "baseline", own);
     record["late_speedup_vs_baseline"] = ratio(late_ms, key, "baseline", ms_of(record, "late_median_ms"));
     record["floor_fraction"] = ratio(median_ms, key, "floor", own);
+    if (is_fp8(record)) record["speedup_vs_bf16"] = ratio(median_ms, key, record.value("impl", ""), own);
     if (is_peer_impl(record.value("impl", ""))) continue;
     json versus = json::object();
     const auto config = median_ms.find(key);
@@ -493,7 +511,7 @@ std::string side_by_side(const json& records) {
                   "SM MHz", "W/GPU", "version");
     std::string not_run;
     for (const json* r : group) {
-      const std::string impl = r->value("impl", "");
+      const std::string impl = r->value("impl", "") + (is_fp8(*r) ? " fp8" : "");
       if (!is_measured(*r)) {
         not_run += format("  %s did not run%s: %s\n", impl.c_str(),
                           r->value("unsupported", false) ? " (cannot)" : "", r->value("error", "").c_str());

@@ -71,12 +71,14 @@ struct Measurement {
   int warmup = 0;
   int iters = 0;
   int input_sets = 1;
-  int64_t macrobatch_size = 0;   // Config::macrobatch_size of the runs (0 = the worst case)
-  double flops = 0.0;            // useful work per rank (docs/design.md §7), averaged over ranks
-  double crossing_bytes = 0.0;   // bytes of token rows that cross to another rank, per rank
-  std::vector<double> times_ms;  // per timed run, the slowest rank; empty when not measured
-  std::string error;             // why it was not measured
-  bool run_failed = false;       // the runs themselves failed (not only a backward that did not run)
+  int64_t macrobatch_size = 0;  // Config::macrobatch_size of the runs (0 = the worst case)
+  Precision precision = Precision::kBF16;
+  std::optional<double> weight_quantize_ms;  // FP8: quantize_weights_fp8 once, outside the timed runs
+  double flops = 0.0;                        // useful work per rank (docs/design.md §7), averaged over ranks
+  double crossing_bytes = 0.0;               // bytes of token rows that cross to another rank, per rank
+  std::vector<double> times_ms;              // per timed run, the slowest rank; empty when not measured
+  std::string error;                         // why it was not measured
+  bool run_failed = false;  // the runs themselves failed (not only a backward that did not run)
   std::optional<bool> repeat_bitwise_equal;  // the last run == the first on its input set (runner.h)
 };
 
@@ -109,7 +111,8 @@ struct RecordContext {
 };
 
 // A record with every key of docs/design.md §7 (median_ms, tflops null when not measured, with "error" then),
-// speedup_vs_baseline null until apply_speedups, and the shape, timing method and crossing bandwidth.
+// speedup_vs_baseline null until apply_speedups, and the shape, timing method and crossing bandwidth. An FP8
+// record also has speedup_vs_bf16 (null until apply_speedups), weight_quantize_ms and precision_notes.
 nlohmann::json make_record(const RecordContext& context, const Measurement& measurement);
 
 // Same-run ratios between the records of one configuration (the same preset, pass, ranks and tokens per
@@ -121,6 +124,10 @@ nlohmann::json make_record(const RecordContext& context, const Measurement& meas
 //                             peer record but the floor's (baseline, liger, transformers); {} without any.
 //   floor_fraction            every measured record: the compute-only floor's median_ms / its own (the
 //                             fraction of the floor's speed it reaches; 1 for the floor); null without one.
+//   speedup_vs_bf16           FP8 records only: the same impl's BF16 record's median_ms / its own; null
+//                             without one.
+// The baseline and the peers are BF16 implementations, so an FP8 record's speedup_vs_baseline and speedup_vs
+// compare the FP8 layer with them.
 void apply_speedups(nlohmann::json& records);
 
 // A record that goes into a results folder: a measured one, or one whose peer cannot run the configuration

@@ -123,13 +123,18 @@ std::string number(const json& record, const char* key, const char* pattern) {
 
 void print_table(std::ostream& out, const json& records) {
   int preset_width = 14;
-  for (const json& r : records) preset_width = std::max<int>(preset_width, r.value("preset", "").size());
-  out << format("%-12s %-17s %-*s %5s %6s %5s %10s %9s %8s %8s %7s %6s %6s %5s\n", "impl", "pass",
-                preset_width, "preset", "ranks", "T/rank", "sets", "median ms", "TFLOP/s", "speedup",
-                "late ms", "late x", "floor", "SM MHz", "W/GPU");
+  bool any_fp8 = false;  // then a precision column and the FP8 records' speed-up over BF16
+  for (const json& r : records) {
+    preset_width = std::max<int>(preset_width, r.value("preset", "").size());
+    any_fp8 |= r.value("precision", "bf16") == "fp8";
+  }
+  out << format("%-12s %-17s %-*s %5s %6s %5s %10s %9s %8s %8s %7s %6s %6s %5s", "impl", "pass", preset_width,
+                "preset", "ranks", "T/rank", "sets", "median ms", "TFLOP/s", "speedup", "late ms", "late x",
+                "floor", "SM MHz", "W/GPU")
+      << (any_fp8 ? format(" %4s %7s", "prec", "vs bf16") : "") << "\n";
   std::map<std::string, int> errors;  // error -> records it stopped
   for (const json& r : records) {
-    out << format("%-12s %-17s %-*s %5lld %6lld %5s %10s %9s %8s %8s %7s %6s %6s %5s\n",
+    out << format("%-12s %-17s %-*s %5lld %6lld %5s %10s %9s %8s %8s %7s %6s %6s %5s",
                   r.value("impl", "").c_str(), r.value("pass", "").c_str(), preset_width,
                   r.value("preset", "").c_str(), static_cast<long long>(r.value("ranks", int64_t{0})),
                   static_cast<long long>(r.value("tokens_per_rank", int64_t{0})),
@@ -138,7 +143,11 @@ void print_table(std::ostream& out, const json& records) {
                   number(r, "late_median_ms", "%.3f").c_str(),
                   number(r, "late_speedup_vs_baseline", "%.2fx").c_str(),
                   number(r, "floor_fraction", "%.2f").c_str(), number(r, "sm_clock_mhz", "%.0f").c_str(),
-                  number(r, "power_w", "%.0f").c_str());
+                  number(r, "power_w", "%.0f").c_str())
+        << (any_fp8 ? format(" %4s %7s", r.value("precision", "bf16").c_str(),
+                             number(r, "speedup_vs_bf16", "%.2fx").c_str())
+                    : "")
+        << "\n";
     if (r.contains("error")) ++errors[r["error"].get<std::string>()];
   }
   for (const auto& [error, count] : errors)
@@ -178,6 +187,11 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
 
   // Everything that can be wrong with the options fails here, before any GPU work.
   const std::vector<BenchPass> passes = parse_passes(options.passes);
+  const Precision precision = parse_precision(options.precision);
+  // FP8: the BF16 layer too, just before, on the same inputs (speedup_vs_bf16); its records are BF16 records.
+  const std::vector<Precision> precisions = precision == Precision::kFP8
+                                                ? std::vector<Precision>{Precision::kBF16, Precision::kFP8}
+                                                : std::vector<Precision>{Precision::kBF16};
   const std::vector<std::string> peers = parse_peers(options.peers);
   POUNCE_CHECK(!options.impls.empty(), "--impl is empty; choose fused, fused-all or staged");
   for (const std::string& impl : options.impls) {
@@ -234,6 +248,12 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
              "the median of their later half); %s\n",
              R, R > 1 ? "s" : "", on_gpu ? facts.name.c_str() : "the CPU reference backend", options.iters,
              options.warmup, rotation.c_str())
+      << (precision == Precision::kFP8
+              ? "fp8: each configuration's BF16 layer is measured too, just before, on the same inputs "
+                "(speedup_vs_bf16); the weights are quantized once, outside the timed runs "
+                "(weight_quantize_ms); "
+                "the baseline and the peers are BF16\n"
+              : "")
       << std::flush;
 
   json records = json::array();
@@ -271,20 +291,24 @@ int bench_command(const BenchOptions& options, const std::string& command_line) 
         problem_error = error.what();
       }
       for (const std::string& impl : options.impls) {
-        setup.impl = impl;
-        progress.stage(what + ", " + impl + ": " + std::to_string(setup.input_sets) + " input sets");
-        GpuTelemetry telemetry(on_gpu ? R : 0);
-        const std::vector<Measurement> measured = problem_error.empty()
-                                                      ? measure(problem, setup, passes, &progress)
-                                                      : failed_measurements(passes, setup, problem_error);
-        const TelemetrySummary ran_at = telemetry.stop();
-        bool failed = false;
-        for (const Measurement& m : measured) {
-          failed |= m.run_failed;
-          records.push_back(make_record(context, m));
-          add_telemetry(records.back(), ran_at);
+        for (Precision p : precisions) {
+          setup.impl = impl;
+          setup.precision = p;
+          progress.stage(what + ", " + impl + " " + to_string(p) + ": " + std::to_string(setup.input_sets) +
+                         " input sets");
+          GpuTelemetry telemetry(on_gpu ? R : 0);
+          const std::vector<Measurement> measured = problem_error.empty()
+                                                        ? measure(problem, setup, passes, &progress)
+                                                        : failed_measurements(passes, setup, problem_error);
+          const TelemetrySummary ran_at = telemetry.stop();
+          bool failed = false;
+          for (const Measurement& m : measured) {
+            failed |= m.run_failed;
+            records.push_back(make_record(context, m));
+            add_telemetry(records.back(), ran_at);
+          }
+          failures += failed;
         }
-        failures += failed;
       }
     }
   }

@@ -24,9 +24,10 @@ struct BenchOptions {
   int64_t macrobatch =
       0;  // rows of the routed activation ring: 0 = the worst case, -1 = the smallest (R x T)
   std::vector<std::string> passes = {"all"};  // forward | backward | forward_backward | all
-  std::string backend = "auto";               // auto (= gpu) | gpu | cpu (tests the tool; no baseline)
-  int ranks = 0;                              // 0 = every visible GPU (2 on the CPU backend)
-  int input_sets = 0;                         // rotated input sets; 0 = enough to exceed twice the L2
+  std::string precision = "bf16";  // bf16 | fp8 (fp8 also measures the BF16 layer, for speedup_vs_bf16)
+  std::string backend = "auto";    // auto (= gpu) | gpu | cpu (tests the tool; no baseline)
+  int ranks = 0;                   // 0 = every visible GPU (2 on the CPU backend)
+  int input_sets = 0;              // rotated input sets; 0 = enough to exceed twice the L2
   int warmup = 3;
   int iters = 20;
   uint64_t seed = 2026;

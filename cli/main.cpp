@@ -97,6 +97,12 @@ int main(int argc, char** argv) {
       "routed expert biases (b_gate, b_up, b_down) and their gradients; CPU backend only for now");
   run_app->add_option("--wgrad-dtype", run.wgrad_dtype, "fp32 | bf16 weight gradients")
       ->capture_default_str();
+  run_app
+      ->add_option(
+          "--precision", run.precision,
+          "bf16 | fp8 (routed experts in block-scaled E4M3, checked against the CPU reference in FP8 "
+          "and within the FP8 error budget of BF16)")
+      ->capture_default_str();
   run_app->add_option("--json", run.json, "write a JSON report to FILE ('-' = stdout)");
 
   // ---- info --------------------------------------------------------------------------------------------
@@ -129,6 +135,10 @@ int main(int argc, char** argv) {
       ->add_option("--pass", bench.passes,
                    "forward | backward | forward_backward | all (= forward,forward_backward); a list")
       ->delimiter(',')
+      ->capture_default_str();
+  bench_app
+      ->add_option("--precision", bench.precision,
+                   "bf16 | fp8 (also measures the BF16 layer on the same inputs: speedup_vs_bf16)")
       ->capture_default_str();
   bench_app
       ->add_option("--macrobatch", bench.macrobatch,

@@ -71,6 +71,12 @@ CombineMode parse_combine(const std::string& name) {
   return CombineMode::kAuto;
 }
 
+Precision parse_precision(const std::string& name) {
+  if (name == "fp8") return Precision::kFP8;
+  POUNCE_CHECK(name == "bf16", "--precision ", name, " is unknown; choose bf16 or fp8");
+  return Precision::kBF16;
+}
+
 Activation parse_activation(const std::string& name, std::optional<float> clamp, const Activation& fallback) {
   Activation activation = fallback;
   if (name == "swiglu") {
@@ -154,6 +160,11 @@ RunSetup resolve_run(const RunOptions& options, const BackendChoice& backend, co
   POUNCE_CHECK(!options.biases || backend.backend == Backend::kCpu,
                "--biases: expert biases are not supported on GPUs yet; fix: run with --backend cpu, or drop "
                "--biases");
+  setup.config.precision = parse_precision(options.precision);
+  POUNCE_CHECK(
+      !options.biases || setup.config.precision == Precision::kBF16,
+      "--biases with --precision fp8: expert biases are BF16-only for now (the layer rejects them with "
+      "config.precision = fp8); fix: drop --biases, or run with --precision bf16");
 
   setup.config.activation = parse_activation(options.activation, options.clamp, activation);
   setup.config.forward_comm_sms = options.comm_sms;
@@ -180,13 +191,12 @@ RunSetup resolve_run(const RunOptions& options, const BackendChoice& backend, co
   return setup;
 }
 
-void check_cpu_memory(const Shape& shape) {
+void check_cpu_memory(const Shape& shape, const std::string& who, const std::string& otherwise) {
   const double need = estimate_cpu_bytes(shape), have = physical_memory_bytes();
-  POUNCE_CHECK(have == 0.0 || need < 0.85 * have, "the CPU backend needs about ",
-               static_cast<int64_t>(need / 1e9), " GB of host memory for this shape but the machine has ",
-               static_cast<int64_t>(have / 1e9), " GB; shrink it (e.g. --experts ",
-               std::max<int64_t>(shape.num_ranks, shape.num_topk),
-               " keeps the other dims) or run on a GPU machine");
+  POUNCE_CHECK(have == 0.0 || need < 0.85 * have, who, " needs about ", static_cast<int64_t>(need / 1e9),
+               " GB of host memory for this shape but the machine has ", static_cast<int64_t>(have / 1e9),
+               " GB; shrink it (e.g. --experts ", std::max<int64_t>(shape.num_ranks, shape.num_topk),
+               " keeps the other dims) ", otherwise);
 }
 
 }  // namespace pounce::cli

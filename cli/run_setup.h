@@ -33,6 +33,7 @@ struct RunOptions {
   int64_t check_rows = 4;                // per sampled expert
   double tolerance = 2e-2;
   std::string wgrad_dtype = "fp32";
+  std::string precision = "bf16";  // bf16 | fp8 (the routed experts in block-scaled E4M3)
   bool biases = false;  // routed expert biases b_gate, b_up, b_down and their gradients (CPU backend only)
   std::string json;     // "" = none, "-" = stdout
 };
@@ -73,12 +74,18 @@ struct RunSetup {
 // Applies the defaults of the chosen backend and validates shape and config (pounce::Error on bad input).
 RunSetup resolve_run(const RunOptions& options, const BackendChoice& backend, const Machine& machine);
 
+// "bf16" | "fp8" as Config::precision; throws pounce::Error naming --precision and the choices otherwise.
+Precision parse_precision(const std::string& name);
+
 Activation parse_activation(const std::string& name, std::optional<float> clamp, const Activation& fallback);
 std::string describe_activation(const Activation& activation);
 
 // Host memory the CPU backend needs for `shape` (inputs, gradients, the reference's fp64 copies), bytes.
 double estimate_cpu_bytes(const Shape& shape);
 // Throws pounce::Error when that exceeds 85% of this machine's memory (instead of being killed mid-run).
-void check_cpu_memory(const Shape& shape);
+// `who` names what needs it (the CPU backend, or the CPU reference that checks `pounce run --precision fp8`,
+// which holds every expert's weights as the backend does) and `otherwise` the other fix.
+void check_cpu_memory(const Shape& shape, const std::string& who = "the CPU backend",
+                      const std::string& otherwise = "or run on a GPU machine");
 
 }  // namespace pounce::cli

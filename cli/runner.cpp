@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "pounce/error.h"
+#include "pounce/fp8.h"
 #include "pounce/group.h"
 #include "pounce/layer.h"
 #include "pounce/workspace.h"
@@ -54,6 +55,33 @@ BackwardArgs rank_views(const Shape& shape, int64_t num_tokens, const RankBuffer
   return args;
 }
 
+std::array<Fp8Extents, kNumFp8Tensors> fp8_weight_extents(const Shape& shape) {
+  const int64_t El = shape.num_local_experts(), H = shape.hidden, I = shape.intermediate;
+  auto extents = [El](int64_t n, int64_t k) {
+    return Fp8Extents{{El, n, k}, {El, (n + kFp8Block - 1) / kFp8Block, (k + kFp8Block - 1) / kFp8Block}};
+  };
+  return {extents(I, H), extents(I, H), extents(H, I), extents(H, I), extents(H, I), extents(I, H)};
+}
+
+int64_t numel_of(const std::vector<int64_t>& extents) {
+  int64_t n = 1;
+  for (int64_t extent : extents) n *= extent;
+  return n;
+}
+
+Fp8Weights fp8_weight_views(const Shape& shape, void* const (&data)[kNumFp8Tensors],
+                            void* const (&scale)[kNumFp8Tensors], DeviceKind device, int device_idx) {
+  const std::array<Fp8Extents, kNumFp8Tensors> extents = fp8_weight_extents(shape);
+  Fp8Weights weights;
+  Fp8Tensor* tensors[kNumFp8Tensors] = {&weights.gate,   &weights.up,   &weights.down,
+                                        &weights.gate_t, &weights.up_t, &weights.down_t};
+  for (int i = 0; i < kNumFp8Tensors; ++i) {
+    tensors[i]->data = TensorView(data[i], DType::kFP8E4M3, extents[i].data, device, device_idx);
+    tensors[i]->scale = TensorView(scale[i], DType::kFP32, extents[i].scale, device, device_idx);
+  }
+  return weights;
+}
+
 void bind_input_set(BackwardArgs& args, const std::vector<InputSetData>& sets, int set_idx) {
   POUNCE_CHECK(set_idx >= 0 && set_idx < static_cast<int>(sets.size()), "input set ", set_idx,
                " does not exist; this runner has ", sets.size());
@@ -66,6 +94,7 @@ void bind_input_set(BackwardArgs& args, const std::vector<InputSetData>& sets, i
 
 RankResult drive_rank(RankRunner& runner, const RunRequest& request, int rank, std::barrier<>* align) {
   RankResult result;
+  result.weight_quantize_ms = runner.weight_quantize_ms();
   const int total = request.warmup + request.iters;
   const int num_sets = std::max(1, request.num_input_sets);
   // The last run is compared with the first run on the same input set (none when no earlier run had it).
@@ -128,6 +157,9 @@ RunOutcome combine(std::vector<RankResult> results) {
     if (rank.repeat_bitwise_equal)
       outcome.repeat_bitwise_equal =
           outcome.repeat_bitwise_equal.value_or(true) && *rank.repeat_bitwise_equal;
+    if (rank.weight_quantize_ms)
+      outcome.weight_quantize_ms =
+          std::max(outcome.weight_quantize_ms.value_or(0.0), *rank.weight_quantize_ms);
     outcome.observed.append(rank.observed);
   }
   // Per run, the maximum over ranks of `time(rank, run)`, over the runs every rank timed `member` for.
@@ -242,9 +274,12 @@ class CpuRankRunner final : public RankRunner {
     }
     for (RotatedSet& set : rotated_)
       sets_.push_back({set.x.data(), set.topk_idx.data(), set.topk_weights.data(), set.d_out.data()});
+    if (request.config.precision == Precision::kFP8) quantize_weights();
   }
 
   void use_input_set(int set_idx) override { bind_input_set(args_, sets_, set_idx); }
+
+  std::optional<double> weight_quantize_ms() const override { return weight_quantize_ms_; }
 
   void poison() override {
     for (HostBuffer* buffer : all_outputs()) {
@@ -308,6 +343,25 @@ class CpuRankRunner final : public RankRunner {
             &d_shared_[0], &d_shared_[1], &d_shared_[2], &d_biases_[0], &d_biases_[1], &d_biases_[2]};
   }
 
+  // The routed weights in FP8, into host buffers: once, before the runs and outside every timed call, as a
+  // trainer quantizes them once per optimizer step; timed on its own.
+  void quantize_weights() {
+    const std::array<Fp8Extents, kNumFp8Tensors> extents = fp8_weight_extents(shape_);
+    void* data[kNumFp8Tensors];
+    void* scale[kNumFp8Tensors];
+    for (int i = 0; i < kNumFp8Tensors; ++i) {
+      fp8_data_[i] = HostBuffer((numel_of(extents[i].data) + 3) / 4);  // e4m3 bytes in fp32 storage
+      fp8_scale_[i] = HostBuffer(numel_of(extents[i].scale));
+      data[i] = fp8_data_[i].data();
+      scale[i] = fp8_scale_[i].data();
+    }
+    fp8_ = fp8_weight_views(shape_, data, scale);
+    const auto start = Clock::now();
+    pounce::quantize_weights_fp8(args_.inputs.routed, fp8_);
+    weight_quantize_ms_ = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    args_.inputs.routed_fp8 = &fp8_;
+  }
+
   // Input sets 1.. (set 0 is the problem itself): its tokens shifted by input_set_shift rows.
   struct RotatedSet {
     std::vector<uint16_t> x, d_out;
@@ -322,7 +376,10 @@ class CpuRankRunner final : public RankRunner {
   HostBuffer out_, d_x_, d_topk_;
   HostBuffer d_routed_[3], d_shared_[3], d_biases_[3];
   std::vector<RotatedSet> rotated_;
-  std::vector<InputSetData> sets_;  // set 0 (the problem), then rotated_
+  std::vector<InputSetData> sets_;                                   // set 0 (the problem), then rotated_
+  HostBuffer fp8_data_[kNumFp8Tensors], fp8_scale_[kNumFp8Tensors];  // FP8 only
+  Fp8Weights fp8_;
+  std::optional<double> weight_quantize_ms_;
 };
 
 }  // namespace

@@ -7,6 +7,7 @@
 // bitwise with the first run on the same input set (run 0 when N = 1).
 #pragma once
 
+#include <array>
 #include <barrier>
 #include <functional>
 #include <memory>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "pounce/config.h"
+#include "pounce/fp8.h"
 #include "pounce/layer.h"
 #include "cli/dense_check.h"
 #include "cli/inputs.h"
@@ -24,9 +26,9 @@ namespace pounce::cli {
 
 struct RunRequest {
   const HostProblem* problem = nullptr;
-  Config config;
-  int warmup = 0;                   // untimed runs first (run 0 is always the checked one)
-  int iters = 1;                    // timed runs
+  Config config;   // precision kFP8: the runners quantize the routed weights once, before the runs
+  int warmup = 0;  // untimed runs first (run 0 is always the checked one)
+  int iters = 1;   // timed runs
   const CheckPlan* plan = nullptr;  // null: time only
   bool wgrad_fp32 = true;           // weight gradients in fp32 (else bf16)
   bool run_backward = true;
@@ -49,6 +51,8 @@ struct RunOutcome {
   // The last run == the first run on the same input set (out, d_x, d_topk_weights); none when no earlier
   // run used that set (e.g. a single run).
   std::optional<bool> repeat_bitwise_equal;
+  // FP8: the one quantize_weights_fp8 call of each rank, before (outside) the timed runs, the slowest rank.
+  std::optional<double> weight_quantize_ms;
 };
 
 // Input set `set_idx` of `num_sets` starts at this token of set 0: its row t is row (t + shift) % T of
@@ -78,6 +82,19 @@ struct RankBuffers {
 BackwardArgs rank_views(const Shape& shape, int64_t num_tokens, const RankBuffers& buffers, DType wgrad,
                         DeviceKind device = DeviceKind::kCpu, int device_idx = 0);
 
+// One rank's FP8 routed weights (include/pounce/fp8.h) in the order gate, up, down, gate_t, up_t, down_t:
+// data [El, N, K] e4m3 bytes, scale [El, ceil(N / 128), ceil(K / 128)] fp32.
+struct Fp8Extents {
+  std::vector<int64_t> data, scale;
+};
+inline constexpr int kNumFp8Tensors = 6;
+std::array<Fp8Extents, kNumFp8Tensors> fp8_weight_extents(const Shape& shape);
+int64_t numel_of(const std::vector<int64_t>& extents);
+// The views quantize_weights_fp8 writes and ForwardArgs::routed_fp8 reads, over memory sized as above.
+Fp8Weights fp8_weight_views(const Shape& shape, void* const (&data)[kNumFp8Tensors],
+                            void* const (&scale)[kNumFp8Tensors], DeviceKind device = DeviceKind::kCpu,
+                            int device_idx = 0);
+
 // One input set's token tensors (RunRequest::num_input_sets).
 struct InputSetData {
   void *x, *topk_idx, *topk_weights, *d_out;
@@ -99,6 +116,8 @@ class RankRunner {
   virtual RankOutputs outputs(const CheckPlan& plan, bool with_backward) = 0;
   // The bytes of out (and d_x, d_topk_weights when `with_backward`), for the bitwise repeat check.
   virtual std::vector<uint8_t> snapshot(bool with_backward) = 0;
+  // FP8: how long the runner's one quantize_weights_fp8 took (none in BF16).
+  virtual std::optional<double> weight_quantize_ms() const { return std::nullopt; }
 };
 
 struct RankResult {
@@ -107,14 +126,15 @@ struct RankResult {
   std::string backward_error;
   SampledTensors observed;
   std::optional<bool> repeat_bitwise_equal;
+  std::optional<double> weight_quantize_ms;
 };
 
 // With `align`, the ranks' threads meet there before every timed call, so no rank's call starts (and waits
 // inside the layer for its peers) while another rank is still busy on the host.
 RankResult drive_rank(RankRunner& runner, const RunRequest& request, int rank,
                       std::barrier<>* align = nullptr);
-// Per-iteration maximum over ranks (forward, backward, and their sum); the first rank's backward error;
-// ranks' samples concatenated.
+// Per-iteration maximum over ranks (forward, backward, and their sum), and of the weight quantization; the
+// first rank's backward error; ranks' samples concatenated.
 RunOutcome combine(std::vector<RankResult> results);
 
 // Runs `make_runner(rank)` + drive_rank on one thread per rank (aligned before every timed call), rethrows

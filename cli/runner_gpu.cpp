@@ -13,6 +13,7 @@
 #include <exception>
 #include <thread>
 
+#include "pounce/fp8.h"
 #include "pounce/group.h"
 #include "pounce/layer.h"
 #include "pounce/workspace.h"
@@ -121,9 +122,12 @@ class GpuRankRunner final : public RankRunner {
                         {d_shared_[0].data(), d_shared_[1].data(), d_shared_[2].data()}},
                        wgrad, DeviceKind::kCuda, rank);
     make_input_sets(T, H, k);
+    if (request.config.precision == Precision::kFP8) quantize_weights();
   }
 
   void use_input_set(int set_idx) override { bind_input_set(args_, sets_, set_idx); }
+
+  std::optional<double> weight_quantize_ms() const override { return weight_quantize_ms_; }
 
   ~GpuRankRunner() override {
     cudaStreamSynchronize(stream_);
@@ -207,6 +211,25 @@ class GpuRankRunner final : public RankRunner {
     return ms;
   }
 
+  // The routed weights in FP8, into device buffers beside the bf16 ones: once, before the runs and outside
+  // every timed call, as a trainer quantizes them once per optimizer step; timed on its own (CUDA events on
+  // the rank's stream, once every upload has landed).
+  void quantize_weights() {
+    const std::array<Fp8Extents, kNumFp8Tensors> extents = fp8_weight_extents(shape_);
+    void* data[kNumFp8Tensors];
+    void* scale[kNumFp8Tensors];
+    for (int i = 0; i < kNumFp8Tensors; ++i) {
+      fp8_data_[i] = DeviceBuffer(numel_of(extents[i].data));  // e4m3 bytes
+      fp8_scale_[i] = DeviceBuffer(numel_of(extents[i].scale) * sizeof(float));
+      data[i] = fp8_data_[i].data();
+      scale[i] = fp8_scale_[i].data();
+    }
+    fp8_ = fp8_weight_views(shape_, data, scale, DeviceKind::kCuda, rank_);
+    POUNCE_CUDA_TRY(cudaDeviceSynchronize());  // the weights' cudaMemcpy uploads are done
+    weight_quantize_ms_ = timed([&] { pounce::quantize_weights_fp8(args_.inputs.routed, fp8_, stream_); });
+    args_.inputs.routed_fp8 = &fp8_;
+  }
+
   // Input sets 1.. of RunRequest::num_input_sets: set 0's token rows (x, topk_idx, topk_weights, d_out)
   // shifted by input_set_shift, copied on the device.
   void make_input_sets(int64_t T, int64_t H, int64_t k) {
@@ -262,6 +285,9 @@ class GpuRankRunner final : public RankRunner {
   };
   std::vector<InputSet> input_sets_;  // sets 1.. (set 0 is x_, topk_idx_, topk_weights_, d_out_)
   std::vector<InputSetData> sets_;    // every set, 0 first
+  DeviceBuffer fp8_data_[kNumFp8Tensors], fp8_scale_[kNumFp8Tensors];  // FP8 only
+  Fp8Weights fp8_;
+  std::optional<double> weight_quantize_ms_;
 };
 
 }  // namespace

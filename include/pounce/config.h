@@ -31,6 +31,8 @@ struct Config {
   // in several slots may need more (the call then fails with a clear error instead of dropping rows).
   int64_t macrobatch_size = 0;
   Activation activation;
+  // kFP8: block-scaled FP8 routed experts (docs/design.md §1); pass ForwardArgs::routed_fp8. On GPUs FP8 runs
+  // the staged kernels whatever kernel_path and backward_kernel_path say: the fused kernels are BF16 only.
   Precision precision = Precision::kBF16;
   bool deterministic = true;  // false is rejected for now: every path is deterministic
   Backend backend = Backend::kAuto;

@@ -26,6 +26,7 @@ inline constexpr int64_t kRegionAlign = 256;      // every region starts 256-byt
 inline constexpr int64_t kSymmetricAlign = 4096;  // NCCL_WIN_REQUIRED_ALIGNMENT
 inline constexpr int64_t kScheduleChunk = 256;    // routing entries (token, slot) per schedule warp
 inline constexpr int64_t kBf16Bytes = 2;
+inline constexpr int64_t kFp8Block = 128;  // FP8 scale blocks; equals pounce::kFp8Block
 
 POUNCE_HOST_DEVICE constexpr int64_t round_up(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
@@ -189,6 +190,7 @@ struct WorkspaceLayout {
   // Shape (per rank).
   int64_t max_tokens = 0, hidden = 0, intermediate = 0, shared_intermediate = 0;
   int64_t num_experts = 0, num_topk = 0, num_ranks = 1, num_local_experts = 0;
+  bool fp8 = false;  // Precision::kFP8: the FP8 regions below are sized (0 bytes otherwise)
 
   // Derived extents.
   int64_t rows_capacity = 0;   // round_up(R * max_tokens * min(k, El) + El * (BLOCK_M - 1), BLOCK_M)
@@ -212,7 +214,10 @@ struct WorkspaceLayout {
   int64_t sym_d_out = 0;           // bf16 [token_capacity][H]: this rank's d_out, rows >= T zeroed
   int64_t sym_topk_weights = 0;    // fp32 [routing_stride]: this rank's topk_weights (backward pulls them)
   int64_t sym_dx_slots = 0;        // bf16 [max_tokens][k][H]: d_x of each (token, slot) pushed by its owner
-  int64_t symmetric_bytes = 0;     // rounded up to 4096
+  // FP8 only (0 bytes in BF16): x quantized at its source, the rows peers pull (FP8 on the wire)
+  int64_t sym_x_q = 0;          // e4m3 [token_capacity][H]: q1x128_H(x), rows >= T zero
+  int64_t sym_x_scale = 0;      // fp32 [token_capacity][H / 128]: each row's block scales, contiguous
+  int64_t symmetric_bytes = 0;  // rounded up to 4096
 
   // ---- local allocation ----
   int64_t loc_peer_base = 0;          // uint64 [R]: symmetric base of every peer in this address space
@@ -250,11 +255,25 @@ struct WorkspaceLayout {
   int64_t loc_dx_rows = 0;      // bf16 [ring_rows][H]: d_x of each row before the push
   int64_t loc_shared_d_gu = 0;  // bf16 [token_capacity][2Is]
   int64_t loc_shared_dx = 0;    // bf16 [token_capacity][H]    (0 bytes when Is = 0)
+  // FP8 only (0 bytes in BF16; docs/design.md §1 "FP8 mode"): the routed rows in the operand layouts of the
+  // FP8 GEMMs (src/gpu/fp8_gemm.h). Rows in 1x128 blocks: e4m3 [ring_rows][cols] and fp32 scales
+  // [cols / 128][ring_rows] (K-block-major). Token-axis copies in 128x1 blocks: e4m3 [cols][ring_rows] and
+  // fp32 scales [ring_rows / 128][round_up(cols, 4)]. Block counts round up (a partial last block).
+  int64_t loc_fp8_x_rows = 0, loc_fp8_x_scale = 0;      // x_q pulled, [M][H]      (forward context)
+  int64_t loc_fp8_act_rows = 0, loc_fp8_act_scale = 0;  // a_q, [M][I]             (forward context)
+  int64_t loc_fp8_dy_rows = 0, loc_fp8_dy_scale = 0;    // d_y_q, [M][H]           (backward)
+  int64_t loc_fp8_d_a = 0;                              // bf16 [M][I]: d_a before the activation backward
+  int64_t loc_fp8_dg_rows = 0, loc_fp8_dg_scale = 0;    // d_g_q, [M][I]
+  int64_t loc_fp8_du_rows = 0, loc_fp8_du_scale = 0;    // d_u_q, [M][I]
+  int64_t loc_fp8_x_t = 0, loc_fp8_x_t_scale = 0;       // x_t, [H][M]  (from the dequantized x_q rows)
+  int64_t loc_fp8_act_t = 0, loc_fp8_act_t_scale = 0;   // a_t, [I][M]
+  int64_t loc_fp8_dy_t = 0, loc_fp8_dy_t_scale = 0;     // d_y_t, [H][M]
+  int64_t loc_fp8_dgu_t = 0, loc_fp8_dgu_t_scale = 0;   // [d_g | d_u]_t, [2I][M]: d_g_t then d_u_t
   int64_t local_bytes = 0;
 
   static WorkspaceLayout make(int64_t max_tokens, int64_t hidden, int64_t intermediate,
                               int64_t shared_intermediate, int64_t num_experts, int64_t num_topk,
-                              int64_t num_ranks, int64_t macrobatch_size = 0) {
+                              int64_t num_ranks, int64_t macrobatch_size = 0, bool fp8 = false) {
     WorkspaceLayout l;
     l.max_tokens = max_tokens;
     l.hidden = hidden;
@@ -264,6 +283,7 @@ struct WorkspaceLayout {
     l.num_topk = num_topk;
     l.num_ranks = num_ranks;
     l.num_local_experts = num_experts / num_ranks;
+    l.fp8 = fp8;
     const int64_t R = num_ranks, El = l.num_local_experts, k = num_topk, H = hidden, I = intermediate;
     const int64_t Is = shared_intermediate;
 
@@ -291,6 +311,10 @@ struct WorkspaceLayout {
     l.sym_d_out = carve(l.token_capacity * H * kBf16Bytes);
     l.sym_topk_weights = carve(l.routing_stride * 4);
     l.sym_dx_slots = carve(max_tokens * k * H * kBf16Bytes);
+    const int64_t q = fp8 ? 1 : 0;  // FP8 regions: sized only in FP8 mode
+    const int64_t h_blocks = ceil_div(H, kFp8Block), i_blocks = ceil_div(I, kFp8Block);
+    l.sym_x_q = carve(q * l.token_capacity * H);
+    l.sym_x_scale = carve(q * l.token_capacity * h_blocks * 4);
     l.symmetric_bytes = round_up(at, kSymmetricAlign);
 
     at = 0;
@@ -324,6 +348,26 @@ struct WorkspaceLayout {
     l.loc_dx_rows = carve(M * H * kBf16Bytes);
     l.loc_shared_d_gu = carve(l.token_capacity * 2 * Is * kBf16Bytes);
     l.loc_shared_dx = carve(Is > 0 ? l.token_capacity * H * kBf16Bytes : 0);
+    const int64_t m_blocks = M / kFp8Block;
+    l.loc_fp8_x_rows = carve(q * M * H);
+    l.loc_fp8_x_scale = carve(q * h_blocks * M * 4);
+    l.loc_fp8_act_rows = carve(q * M * I);
+    l.loc_fp8_act_scale = carve(q * i_blocks * M * 4);
+    l.loc_fp8_dy_rows = carve(q * M * H);
+    l.loc_fp8_dy_scale = carve(q * h_blocks * M * 4);
+    l.loc_fp8_d_a = carve(q * M * I * kBf16Bytes);
+    l.loc_fp8_dg_rows = carve(q * M * I);
+    l.loc_fp8_dg_scale = carve(q * i_blocks * M * 4);
+    l.loc_fp8_du_rows = carve(q * M * I);
+    l.loc_fp8_du_scale = carve(q * i_blocks * M * 4);
+    l.loc_fp8_x_t = carve(q * H * M);
+    l.loc_fp8_x_t_scale = carve(q * m_blocks * round_up(H, 4) * 4);
+    l.loc_fp8_act_t = carve(q * I * M);
+    l.loc_fp8_act_t_scale = carve(q * m_blocks * round_up(I, 4) * 4);
+    l.loc_fp8_dy_t = carve(q * H * M);
+    l.loc_fp8_dy_t_scale = carve(q * m_blocks * round_up(H, 4) * 4);
+    l.loc_fp8_dgu_t = carve(q * 2 * I * M);
+    l.loc_fp8_dgu_t_scale = carve(q * m_blocks * round_up(2 * I, 4) * 4);
     l.local_bytes = at;
     return l;
   }
@@ -386,6 +430,28 @@ struct WorkspacePointers {
   void* dx_rows;
   void* shared_d_gu;
   void* shared_dx;
+  // FP8 mode only (null in BF16): sym_x_q/sym_x_scale are symmetric offsets, the rest the regions of
+  // WorkspaceLayout (rows ring-relative like the bf16 row buffers; their scale ld is ring_rows).
+  int64_t sym_x_q, sym_x_scale;
+  uint8_t* fp8_x_rows;
+  float* fp8_x_scale;
+  uint8_t* fp8_act_rows;
+  float* fp8_act_scale;
+  uint8_t* fp8_dy_rows;
+  float* fp8_dy_scale;
+  void* fp8_d_a;
+  uint8_t* fp8_dg_rows;
+  float* fp8_dg_scale;
+  uint8_t* fp8_du_rows;
+  float* fp8_du_scale;
+  uint8_t* fp8_x_t;
+  float* fp8_x_t_scale;
+  uint8_t* fp8_act_t;
+  float* fp8_act_t_scale;
+  uint8_t* fp8_dy_t;
+  float* fp8_dy_t_scale;
+  uint8_t* fp8_dgu_t;
+  float* fp8_dgu_t_scale;
 
   // Address of `offset` inside rank `peer`'s symmetric allocation.
   template <typename T>

@@ -273,6 +273,31 @@ kernels::layout::WorkspacePointers GpuWorkspace::pointers() const {
   p.dx_rows = at(l.loc_dx_rows);
   p.shared_d_gu = at(l.loc_shared_d_gu);
   p.shared_dx = at(l.loc_shared_dx);
+  if (l.fp8) {
+    auto bytes = [&](int64_t offset) { return static_cast<uint8_t*>(at(offset)); };
+    auto floats = [&](int64_t offset) { return static_cast<float*>(at(offset)); };
+    p.sym_x_q = l.sym_x_q;
+    p.sym_x_scale = l.sym_x_scale;
+    p.fp8_x_rows = bytes(l.loc_fp8_x_rows);
+    p.fp8_x_scale = floats(l.loc_fp8_x_scale);
+    p.fp8_act_rows = bytes(l.loc_fp8_act_rows);
+    p.fp8_act_scale = floats(l.loc_fp8_act_scale);
+    p.fp8_dy_rows = bytes(l.loc_fp8_dy_rows);
+    p.fp8_dy_scale = floats(l.loc_fp8_dy_scale);
+    p.fp8_d_a = at(l.loc_fp8_d_a);
+    p.fp8_dg_rows = bytes(l.loc_fp8_dg_rows);
+    p.fp8_dg_scale = floats(l.loc_fp8_dg_scale);
+    p.fp8_du_rows = bytes(l.loc_fp8_du_rows);
+    p.fp8_du_scale = floats(l.loc_fp8_du_scale);
+    p.fp8_x_t = bytes(l.loc_fp8_x_t);
+    p.fp8_x_t_scale = floats(l.loc_fp8_x_t_scale);
+    p.fp8_act_t = bytes(l.loc_fp8_act_t);
+    p.fp8_act_t_scale = floats(l.loc_fp8_act_t_scale);
+    p.fp8_dy_t = bytes(l.loc_fp8_dy_t);
+    p.fp8_dy_t_scale = floats(l.loc_fp8_dy_t_scale);
+    p.fp8_dgu_t = bytes(l.loc_fp8_dgu_t);
+    p.fp8_dgu_t_scale = floats(l.loc_fp8_dgu_t_scale);
+  }
   return p;
 }
 
@@ -333,7 +358,7 @@ GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup> group, int rank, cons
   POUNCE_CHECK(group != nullptr, "create_workspace needs a GPU group");
   const kernels::layout::WorkspaceLayout l = kernels::layout::WorkspaceLayout::make(
       shape.max_tokens, shape.hidden, shape.intermediate, shape.shared_intermediate, shape.num_experts,
-      shape.num_topk, shape.num_ranks, config.macrobatch_size);
+      shape.num_topk, shape.num_ranks, config.macrobatch_size, config.precision == Precision::kFP8);
   validate_workspace_shape(*group, rank, shape, config, l);
   DeviceGuard guard(group->device);
 
@@ -530,12 +555,16 @@ void set_kernel_path(GpuWorkspace& workspace, KernelPath path) {
 namespace {
 void check_forward_supported(GpuWorkspace& workspace) {
   check_device_errors(workspace);
-  POUNCE_CHECK(workspace.config.precision == Precision::kBF16,
-               "config.precision = fp8 is not implemented on GPUs yet; use Precision::kBF16");
+}
+
+// FP8 runs the staged chain: the fused kernels are BF16 only so far.
+bool fused_forward_chosen(const GpuWorkspace& workspace) {
+  return workspace.config.kernel_path != KernelPath::kStaged &&
+         workspace.config.precision == Precision::kBF16;
 }
 
 void launch_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream_t stream, bool write_out) {
-  if (workspace.config.kernel_path != KernelPath::kStaged) {  // kAuto: the fused kernel
+  if (fused_forward_chosen(workspace)) {  // kAuto: the fused kernel
     launch_fused_forward(workspace, args, stream, write_out);
   } else {
     launch_staged_forward(workspace, args, stream, write_out);

@@ -99,6 +99,13 @@ void check_pointer(const void* p, const char* name) {
                "' must be non-null and 16-byte aligned");
 }
 
+// Weight scales are read with plain 4-byte loads: a slice of experts [e0, ...) of a [El][nb][kb] grid may
+// start at any float.
+void check_weight_scale(const float* p, const char* name) {
+  POUNCE_CHECK(p != nullptr && reinterpret_cast<uintptr_t>(p) % 4 == 0, "'", name,
+               ".scale' must be non-null and 4-byte aligned");
+}
+
 void check_fp8_rows(const GroupedRows& rows, const Fp8Rows& a, const char* name) {
   check_pointer(a.data, name);
   check_pointer(a.scale, name);
@@ -154,7 +161,7 @@ void launch_rows(const GroupedRows& rows, const Fp8Rows* a, const Fp8Matrices* b
     check_fp8_rows(rows, a[p], name);
     check_extent(k[p], 16, p == 0 ? "k0" : "k1");
     check_pointer(b[p].data, p == 0 ? "b0" : "b1");
-    check_pointer(b[p].scale, p == 0 ? "b0.scale" : "b1.scale");
+    check_weight_scale(b[p].scale, p == 0 ? "b0" : "b1");
     const int64_t k_blocks = blocks_of(k[p], Fp8GemmConfig::BLOCK_K);
     maps.a[p] = e4m3_map(a[p].data, 0, rows.max_rows, k[p], k[p]);
     maps.b[p] = e4m3_map(b[p].data, rows.num_groups, n, k[p], k[p]);
@@ -203,7 +210,7 @@ void fp8_grouped_gate_up(const GroupedRows& rows, const Fp8Rows& x, const Fp8Mat
                " must be >= max_rows (", rows.max_rows, ") and a multiple of 4");
   for (const auto& [w, name] : {std::pair{&w_gate, "w_gate"}, std::pair{&w_up, "w_up"}}) {
     check_pointer(w->data, name);
-    check_pointer(w->scale, name);
+    check_weight_scale(w->scale, name);
   }
   gemm::Fp8GemmArgs args = grouped_args(rows, n);
   args.common.k = static_cast<int32_t>(k);

@@ -84,6 +84,7 @@ int32_t backward_unit_blocks(const GpuWorkspace& workspace, int comm_ctas) {
 // deepseek 47.12 vs 47.66 ms. qwen3-30b-a3b (I = 768: short GEMMs, the push combine over several ranks)
 // keeps the stage kernels: EP2 2.60 vs 2.43 ms, one GPU fwd+bwd 4.66 vs 4.46 ms.
 bool fused_backward_chosen(const GpuWorkspace& workspace) {
+  if (workspace.config.precision == Precision::kFP8) return false;  // the fused kernels are BF16 only so far
   switch (workspace.config.backward_kernel_path) {
     case KernelPath::kFused:
       return true;

@@ -23,6 +23,7 @@
 #include "kernels/backward/reverse_combine.cuh"
 #include "kernels/combine/combine.cuh"
 #include "kernels/dispatch/dispatch.cuh"
+#include "src/gpu/fp8_routed.h"
 #include "src/gpu/grouped_gemm.h"
 #include "src/gpu/gpu_state.h"
 #include "src/gpu/mlp_backward.h"
@@ -124,6 +125,13 @@ void launch_forward_replay(GpuWorkspace& workspace, const BackwardArgs& args,
                            const kernels::ActivationParams& activation,
                            const kernels::layout::WorkspacePointers& replay, cudaStream_t stream) {
   const int El = replay.num_local_experts;
+  if (workspace.config.precision == Precision::kFP8) {
+    launch_fp8_pull_x(replay, 0, El, workspace.num_sms, stream);
+    launch_fp8_expert_forward(replay, *args.inputs.routed_fp8, 0, El, 0, activation, /*with_down=*/false,
+                              stream);
+    POUNCE_CUDA(cudaGetLastError());
+    return;
+  }
   kernels::dispatch::dispatch_pull_kernel<kCommThreads>
       <<<workspace.num_sms, kCommThreads, 0, stream>>>(replay, 0, El);
   const kernels::GroupedRows rows{replay.rows_capacity, replay.group_row_offset, El, 0, nullptr,
@@ -181,6 +189,24 @@ void launch_macrobatch_backward(GpuWorkspace& workspace, const BackwardArgs& arg
     timer.mark("shared");
   }
   // Routed experts, chunk by chunk: data gradients, then the reverse-dispatch push on the comm stream.
+  if (workspace.config.precision == Precision::kFP8) {
+    for (int c = 0; c < overlap.num_chunks(); ++c) {
+      const int e0 = overlap.chunk_begin(c), e1 = overlap.chunk_begin(c + 1);
+      overlap.wait(stream, pulled[c]);
+      launch_fp8_data_grads(mb, *args.inputs.routed_fp8, e0, e1, overlap.gemm_ctas(), activation, stream);
+      overlap.comm_after_main();
+      kernels::combine::combine_push_kernel<kCommThreads>
+          <<<overlap.comm_sms(), kCommThreads, 0, comm>>>(mb, mb.dx_rows, mb.sym_dx_slots, e0, e1);
+    }
+    POUNCE_CUDA(cudaGetLastError());
+    timer.mark("data_grad_chunks");
+    launch_fp8_weight_grads(mb, args.d_routed, args.accumulate_weight_grads, p.owned_experts(b),
+                            overlap.gemm_ctas(), workspace.num_sms, stream);
+    timer.mark("weight_grads");
+    overlap.main_after_comm();
+    timer.mark("join");
+    return;
+  }
   MlpBackward routed = routed_mlp_backward(mb, args, overlap.gemm_ctas());
   routed.rows.group_active = p.owned_experts(b);  // weight gradients of the experts b holds (all: no ring)
   for (int c = 0; c < overlap.num_chunks(); ++c) {

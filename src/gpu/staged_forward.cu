@@ -22,6 +22,7 @@
 #include "kernels/routing/routing_exchange.cuh"
 #include "kernels/routing/schedule.cuh"
 #include "kernels/sched/macrobatch_plan.cuh"
+#include "src/gpu/fp8_routed.h"
 #include "src/gpu/gpu_state.h"
 #include "src/gpu/overlap.h"
 #include "src/gpu/profile.h"
@@ -83,6 +84,7 @@ ForwardLaunch check_forward_args(GpuWorkspace& workspace, const ForwardArgs& arg
   // Checked before the first kernel is queued: a launcher refusing later would leave peers at a barrier.
   check_weights_aligned(args.routed, "routed");
   check_weights_aligned(args.shared, "shared");
+  if (workspace.config.precision == Precision::kFP8) check_fp8_forward_args(workspace, args);
   launch.activation = activation_params(workspace.config.activation);
   launch.idx_int64 = args.topk_idx.dtype == DType::kInt64;
   return launch;
@@ -98,6 +100,9 @@ ForwardLaunch launch_forward_prologue(GpuWorkspace& workspace, const ForwardArgs
   // 1. This rank's x into its symmetric buffer (peers pull from it), shared-expert row offsets.
   kernels::dispatch::stage_x_kernel<kCopyThreads>
       <<<copy_grid, kCopyThreads, 0, stream>>>(p, args.x.data, num_tokens);
+  // FP8: x_q = q1x128_H(x) beside it, the rows peers pull (the shared expert reads the bf16 x).
+  if (workspace.config.precision == Precision::kFP8)
+    launch_fp8_stage_x(workspace, args.x.data, num_tokens, stream);
   // 2. Routing exchange: topk_idx (int32) and T into every peer; barrier.
   kernels::routing::routing_exchange_kernel<kCopyThreads>
       <<<copy_grid, kCopyThreads, 0, stream>>>(p, args.topk_idx.data, launch.idx_int64, num_tokens);
@@ -159,10 +164,15 @@ void launch_macrobatch_forward(GpuWorkspace& workspace, const ForwardArgs& args,
   Overlap overlap(workspace, stream, workspace.config.forward_comm_sms);
   cudaStream_t comm = overlap.comm();
   overlap.comm_after_main();
+  const bool fp8 = workspace.config.precision == Precision::kFP8;
   cudaEvent_t pulled[kMaxChunks];
   for (int c = 0; c < overlap.num_chunks(); ++c) {
-    kernels::dispatch::dispatch_pull_kernel<kCommThreads><<<overlap.comm_sms(), kCommThreads, 0, comm>>>(
-        mb, overlap.chunk_begin(c), overlap.chunk_begin(c + 1));
+    if (fp8) {
+      launch_fp8_pull_x(mb, overlap.chunk_begin(c), overlap.chunk_begin(c + 1), overlap.comm_sms(), comm);
+    } else {
+      kernels::dispatch::dispatch_pull_kernel<kCommThreads><<<overlap.comm_sms(), kCommThreads, 0, comm>>>(
+          mb, overlap.chunk_begin(c), overlap.chunk_begin(c + 1));
+    }
     pulled[c] = overlap.mark(comm);
   }
   POUNCE_CUDA(cudaGetLastError());
@@ -177,13 +187,18 @@ void launch_macrobatch_forward(GpuWorkspace& workspace, const ForwardArgs& args,
   for (int c = 0; c < overlap.num_chunks(); ++c) {
     const int e0 = overlap.chunk_begin(c), e1 = overlap.chunk_begin(c + 1);
     overlap.wait(stream, pulled[c]);
-    const kernels::GroupedRows routed{mb.rows_capacity, mb.group_row_offset + e0,
-                                      e1 - e0,          overlap.gemm_ctas(),
-                                      nullptr,          mb.group_rows + e0};
-    kernels::grouped_gate_up(routed, mb.x_rows, expert_slice(args.routed.gate, e0),
-                             expert_slice(args.routed.up, e0), mb.g_rows, mb.u_rows, mb.act_rows, I, H,
-                             activation, stream);
-    kernels::grouped_gemm(routed, mb.act_rows, expert_slice(args.routed.down, e0), mb.y_rows, H, I, stream);
+    if (fp8) {
+      launch_fp8_expert_forward(mb, *args.routed_fp8, e0, e1, overlap.gemm_ctas(), activation,
+                                /*with_down=*/true, stream);
+    } else {
+      const kernels::GroupedRows routed{mb.rows_capacity, mb.group_row_offset + e0,
+                                        e1 - e0,          overlap.gemm_ctas(),
+                                        nullptr,          mb.group_rows + e0};
+      kernels::grouped_gate_up(routed, mb.x_rows, expert_slice(args.routed.gate, e0),
+                               expert_slice(args.routed.up, e0), mb.g_rows, mb.u_rows, mb.act_rows, I, H,
+                               activation, stream);
+      kernels::grouped_gemm(routed, mb.act_rows, expert_slice(args.routed.down, e0), mb.y_rows, H, I, stream);
+    }
     overlap.comm_after_main();
     kernels::combine::combine_push_kernel<kCommThreads>
         <<<overlap.comm_sms(), kCommThreads, 0, comm>>>(mb, mb.y_rows, mb.sym_y_slots, e0, e1);

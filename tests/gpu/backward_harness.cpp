@@ -93,7 +93,7 @@ void run_backward_rank(const Model& m, const std::vector<Call>& calls,
   const Shape& s = m.shape;
   Workspace workspace(group, s, config);
   gpu::GpuWorkspace& gpu_ws = *workspace.state().gpu;
-  DeviceWeights weights(m, rank, rank);
+  DeviceWeights weights(m, rank, rank, config.precision);
   DeviceInputs in(s), other_in(s);
   DeviceBackward grads(s, rank);
   cudaStream_t stream;
@@ -113,6 +113,7 @@ void run_backward_rank(const Model& m, const std::vector<Call>& calls,
     for (ForwardArgs* a : {&fwd, &other_fwd}) {
       a->routed = weights.routed;
       a->shared = weights.shared;
+      a->routed_fp8 = weights.routed_fp8;
     }
 
     // Launches, synchronises and reads the device error record; a topk_idx report is expected on a bad-id
@@ -209,7 +210,8 @@ const std::vector<double>& reference_output(const reference::RankGradients& g, i
 // (one fp32 addition) and, minus the prefill, within the bound plus that addition's rounding.
 void check_weight_grad(const std::string& where, int output, const std::vector<int64_t>& dims,
                        const std::vector<int64_t>& rows_per_slice, const BackwardResult& res,
-                       const std::vector<double>& ref, const std::vector<double>& ref64) {
+                       const std::vector<double>& ref, const std::vector<double>& ref64,
+                       double noise_factor) {
   const std::string name = where + " " + kOutputNames[output];
   const std::vector<float> fp32 = reinterpret<float>(res.fp32_runs[0].second.outputs[output]);
   const std::vector<float> acc = reinterpret<float>(res.accumulate_run.outputs[output]);
@@ -253,16 +255,19 @@ void check_weight_grad(const std::string& where, int output, const std::vector<i
       continue;
     }
     const std::vector<double> r = slice(ref, begin, per_slice), r64 = slice(ref64, begin, per_slice);
-    EXPECT_EQ(compare_close(slice_name + " (fp32)", slice_dims, gpu, r, r64), "");
-    EXPECT_EQ(compare_close(slice_name + " (bf16)", slice_dims, gpu_bf16, ref_bf16_rounded, r64), "");
+    EXPECT_EQ(compare_close(slice_name + " (fp32)", slice_dims, gpu, r, r64, nullptr, 0, noise_factor), "");
+    EXPECT_EQ(compare_close(slice_name + " (bf16)", slice_dims, gpu_bf16, ref_bf16_rounded, r64, nullptr, 0,
+                            noise_factor),
+              "");
     EXPECT_EQ(compare_close(slice_name + " (accumulated - prefill)", slice_dims, added, r, r64, nullptr,
-                            std::ldexp(max_acc, -23)),
+                            std::ldexp(max_acc, -23), noise_factor),
               "");
   }
 }
 
 void check_backward_call(const Model& m, const Call& call, const std::vector<RankData>& data,
-                         const std::vector<BackwardResult>& results, const std::string& label) {
+                         const std::vector<BackwardResult>& results, const std::string& label,
+                         Precision precision) {
   const Shape& s = m.shape;
   const int64_t R = s.num_ranks, El = s.num_local_experts(), E = s.num_experts, k = s.num_topk;
   // The GPU skips (and reports) an out-of-range id: the reference sees an unused slot there.
@@ -270,10 +275,16 @@ void check_backward_call(const Model& m, const Call& call, const std::vector<Ran
   for (RankData& d : ref_data) {
     for (int32_t& id : d.topk_idx) id = id >= E ? -1 : id;
   }
-  reference::testing::Case c = make_reference_case(m, ref_data);
+  reference::testing::Case c = make_reference_case(m, ref_data, precision);
   const auto ref = reference::backward(c.problem, c.ranks, c.routed, c.shared);
   c.problem.numerics = reference::Numerics::kFp64;
   const auto ref64 = reference::backward(c.problem, c.ranks, c.routed, c.shared);
+  std::vector<reference::RankGradients> bf16_layer;  // FP8 only: the BF16 layer, for the error budget
+  if (precision == Precision::kFP8) {
+    c.problem.numerics = reference::Numerics::kBf16;
+    c.problem.precision = Precision::kBF16;
+    bf16_layer = reference::backward(c.problem, c.ranks, c.routed, c.shared);
+  }
   std::vector<int64_t> expert_rows(E, 0);  // pairs per global expert over the group
   for (const RankData& d : ref_data) {
     for (int32_t id : d.topk_idx) {
@@ -311,7 +322,8 @@ void check_backward_call(const Model& m, const Call& call, const std::vector<Ran
     for (int o = 0; o < kFirstWeightGrad; ++o) {
       EXPECT_EQ(compare_close(where + " " + kOutputNames[o], dims[o],
                               to_double(first.outputs[o], output_dtype(o, GradMode::kStoreF32)),
-                              reference_output(ref[r], o), reference_output(ref64[r], o)),
+                              reference_output(ref[r], o), reference_output(ref64[r], o), nullptr, 0,
+                              noise_factor_for(precision)),
                 "");
     }
     const std::vector<float> d_topk = reinterpret<float>(first.outputs[1]);
@@ -328,7 +340,15 @@ void check_backward_call(const Model& m, const Call& call, const std::vector<Ran
       if (is_routed(o))
         rows_per_slice.assign(expert_rows.begin() + r * El, expert_rows.begin() + (r + 1) * El);
       check_weight_grad(where, o, dims[o], rows_per_slice, res, reference_output(ref[r], o),
-                        reference_output(ref64[r], o));
+                        reference_output(ref64[r], o), noise_factor_for(precision));
+    }
+    if (precision != Precision::kFP8) continue;
+    for (int o = 0; o < kNumOutputs; ++o) {  // every output is a gradient; the fp32 run
+      if (dims[o].empty()) continue;
+      EXPECT_EQ(fp8_budget_difference(where + " " + kOutputNames[o],
+                                      to_double(first.outputs[o], output_dtype(o, GradMode::kStoreF32)),
+                                      reference_output(bf16_layer[r], o), true),
+                "");
     }
   }
   if (call.bad_id != 0) {
@@ -432,7 +452,8 @@ BackwardResults check_backward(const Model& m, const std::vector<Call>& calls, b
     run_backward_rank(m, calls, data, graph, config, group, rank, results);
   });
   for (size_t c = 0; c < calls.size(); ++c) {
-    check_backward_call(m, calls[c], data[c], results[c], name + " call " + std::to_string(c));
+    check_backward_call(m, calls[c], data[c], results[c], name + " call " + std::to_string(c),
+                        config.precision);
   }
   return results;
 }

@@ -19,6 +19,10 @@
 // local expert's d_routed.{gate,up,down} and d_shared.{gate,up,down}. Exact: an unused slot's d_topk_weights
 // is 0; an expert without rows (and the shared expert of a rank without tokens) gets exact zeros, and nothing
 // is added to main_grad.
+// At Precision::kFP8 (Config::precision: the routed weights are also quantized on the GPU and passed as
+// ForwardArgs::routed_fp8) the reference is the FP8 layer, ref64 its kFp64 twin (same quantization points),
+// and the fp32 run's d_x, d_topk_weights and every rank's weight gradients must also be within the FP8 error
+// budget of the BF16 reference (fp8_budget_difference).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -88,7 +92,7 @@ struct BackwardResult {
 using BackwardResults = std::vector<std::vector<BackwardResult>>;  // [call][rank]
 
 // Runs `calls` (the file comment's steps; `graph` adds the CUDA graph replay) and checks every call against
-// the reference; `name` labels the failures. `config`'s activation is the model's.
+// the reference at config.precision; `name` labels the failures. `config`'s activation is the model's.
 BackwardResults check_backward(const Model& m, const std::vector<Call>& calls, bool graph = false,
                                const std::string& name = current_test_name(), Config config = {});
 

@@ -17,16 +17,22 @@ namespace {
 struct Expected {
   std::vector<reference::RankForward> forward;     // [R] bf16 rounding points
   std::vector<reference::RankForward> forward64;   // [R] fp64, no rounding: the noise yardstick
+  std::vector<reference::RankForward> bf16_layer;  // [R] FP8 only: the BF16 layer, for the error budget
   std::vector<reference::RankSchedule> schedules;  // [R]
 };
 
-Expected run_reference(const Model& m, const std::vector<RankData>& data) {
-  reference::testing::Case c = make_reference_case(m, data);
+Expected run_reference(const Model& m, const std::vector<RankData>& data, Precision precision) {
+  reference::testing::Case c = make_reference_case(m, data, precision);
   Expected e;
   e.forward = reference::forward(c.problem, c.ranks, c.routed, c.shared);
   c.problem.numerics = reference::Numerics::kFp64;
   e.forward64 = reference::forward(c.problem, c.ranks, c.routed, c.shared);
   c.problem.numerics = reference::Numerics::kBf16;
+  if (precision == Precision::kFP8) {
+    c.problem.precision = Precision::kBF16;
+    e.bf16_layer = reference::forward(c.problem, c.ranks, c.routed, c.shared);
+    c.problem.precision = precision;
+  }
   for (int64_t r = 0; r < m.shape.num_ranks; ++r)
     e.schedules.push_back(reference::build_schedule(c.problem, c.ranks, r));
   return e;
@@ -67,7 +73,7 @@ void run_forward_rank(const Model& m, const std::vector<std::vector<RankData>>& 
   config.activation = m.activation;
   Workspace workspace(group, s, config);
   gpu::GpuWorkspace& gpu_ws = *workspace.state().gpu;
-  DeviceWeights weights(m, rank, device);
+  DeviceWeights weights(m, rank, device, config.precision);
   DeviceInputs in(s);
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -82,6 +88,7 @@ void run_forward_rank(const Model& m, const std::vector<std::vector<RankData>>& 
     ForwardArgs args = in.args(s, T, call.idx_int64, device);
     args.routed = weights.routed;
     args.shared = weights.shared;
+    args.routed_fp8 = weights.routed_fp8;
     for (int run = 0; run < 2; ++run) {
       in.out.poison(stream);
       try {
@@ -119,6 +126,9 @@ void run_forward_rank(const Model& m, const std::vector<std::vector<RankData>>& 
     const int64_t rows = std::min<int64_t>(res.group_offset[El], ctx.rows_capacity);
     res.schedule = download<int32_t>(ctx.schedule, rows * 4);
     res.y_slots = download<uint16_t>(ctx.y_slots, T * s.num_topk * s.hidden);
+    for (size_t i = 0; i < res.y_slots.size(); ++i) {  // an unused slot holds nothing: runs compare bitwise
+      if (d.topk_idx[i / s.hidden] < 0) res.y_slots[i] = kPoison;
+    }
   }
   if (graph_exec != nullptr) CUDA_OK(cudaGraphExecDestroy(graph_exec));
   CUDA_OK(cudaStreamDestroy(stream));
@@ -136,10 +146,11 @@ ForwardResults run_forward(const Model& m, const std::vector<std::vector<RankDat
 }
 
 void check_forward_call(const Model& m, const Call& call, const std::vector<RankData>& data,
-                        const std::vector<ForwardResult>& results, const std::string& label, int only_rank) {
+                        const std::vector<ForwardResult>& results, const std::string& label, int only_rank,
+                        Precision precision) {
   const Shape& s = m.shape;
   const int64_t R = s.num_ranks, El = s.num_local_experts(), k = s.num_topk, H = s.hidden;
-  const Expected expected = run_reference(m, data);
+  const Expected expected = run_reference(m, data, precision);
   for (int64_t r = 0; r < R; ++r) {
     if (only_rank >= 0 && r != only_rank) continue;
     const ForwardResult& res = results[r];
@@ -172,21 +183,46 @@ void check_forward_call(const Model& m, const Call& call, const std::vector<Rank
         if (data[r].topk_idx[t * k + j] >= 0) std::fill_n(used.begin() + (t * k + j) * H, H, true);
       }
     }
-    EXPECT_EQ(compare_close(where + " y", {T, k, H}, reference::bf16_to_double(res.y_slots),
-                            expected.forward[r].y, expected.forward64[r].y, &used),
-              "");
-    EXPECT_EQ(compare_close(where + " out", {T, H}, reference::bf16_to_double(res.out[0]),
-                            expected.forward[r].out, expected.forward64[r].out),
-              "");
+    EXPECT_EQ(
+        compare_close(where + " y", {T, k, H}, reference::bf16_to_double(res.y_slots), expected.forward[r].y,
+                      expected.forward64[r].y, &used, 0, noise_factor_for(precision)),
+        "");
+    EXPECT_EQ(
+        compare_close(where + " out", {T, H}, reference::bf16_to_double(res.out[0]), expected.forward[r].out,
+                      expected.forward64[r].out, nullptr, 0, noise_factor_for(precision)),
+        "");
+    if (precision == Precision::kFP8) {
+      EXPECT_EQ(fp8_budget_difference(where + " y", reference::bf16_to_double(res.y_slots),
+                                      expected.bf16_layer[r].y, false, &used),
+                "");
+      EXPECT_EQ(fp8_budget_difference(where + " out", reference::bf16_to_double(res.out[0]),
+                                      expected.bf16_layer[r].out, false),
+                "");
+    }
   }
 }
 
-void check_forward(const Model& m, const std::vector<Call>& calls, ForwardMode mode, const std::string& name,
-                   const Config& tuning) {
+ForwardResults check_forward(const Model& m, const std::vector<Call>& calls, ForwardMode mode,
+                             const std::string& name, const Config& tuning) {
   const std::vector<std::vector<RankData>> data = make_call_data(m.shape, calls);
   const ForwardResults results = run_forward(m, data, calls, mode, tuning);
   for (size_t c = 0; c < calls.size(); ++c) {
-    check_forward_call(m, calls[c], data[c], results[c], name + " call " + std::to_string(c));
+    check_forward_call(m, calls[c], data[c], results[c], name + " call " + std::to_string(c), -1,
+                       tuning.precision);
+  }
+  return results;
+}
+
+void expect_same_forward(const ForwardResults& a, const ForwardResults& b, const std::string& name) {
+  ASSERT_EQ(a.size(), b.size()) << name;
+  for (size_t c = 0; c < a.size(); ++c) {
+    ASSERT_EQ(a[c].size(), b[c].size()) << name;
+    for (size_t r = 0; r < a[c].size(); ++r) {
+      const std::string where = name + " call " + std::to_string(c) + " rank " + std::to_string(r);
+      EXPECT_EQ(a[c][r].error + b[c][r].error, "") << where;
+      EXPECT_EQ(bitwise_difference("out", a[c][r].out[0], b[c][r].out[0]), "") << where;
+      EXPECT_EQ(bitwise_difference("y slots", a[c][r].y_slots, b[c][r].y_slots), "") << where;
+    }
   }
 }
 

@@ -9,6 +9,9 @@
 //     reference::build_schedule exactly;
 //   - y per (token, used slot) and out within rounding-order noise (docs/design.md §6): max|gpu - ref64| <=
 //     2 * max|ref_bf16 - ref64| + atol per tensor (GEMM accumulation order differs from the reference's).
+// At Precision::kFP8 (the Config's precision: the routed weights are also quantized on the GPU and passed as
+// ForwardArgs::routed_fp8) the reference is the FP8 layer, ref64 its kFp64 twin (same quantization points),
+// and y and out must also be within the FP8 error budget of the BF16 reference (fp8_budget_difference).
 #pragma once
 
 #include <cstdint>
@@ -47,13 +50,17 @@ ForwardResults run_forward(const Model& m, const std::vector<std::vector<RankDat
                            const std::vector<Call>& calls, ForwardMode mode, const Config& tuning = {});
 
 // The file comment's checks of one call. `only_rank` >= 0: this process ran that rank alone (one process per
-// GPU); the others are not checked.
+// GPU); the others are not checked. `precision`: the workspaces' Config::precision.
 void check_forward_call(const Model& m, const Call& call, const std::vector<RankData>& data,
                         const std::vector<ForwardResult>& results, const std::string& label,
-                        int only_rank = -1);
+                        int only_rank = -1, Precision precision = Precision::kBF16);
 
-// Builds the calls' data, runs them and checks every call; `name` labels the failures.
-void check_forward(const Model& m, const std::vector<Call>& calls, ForwardMode mode,
-                   const std::string& name = current_test_name(), const Config& tuning = {});
+// Builds the calls' data, runs them and checks every call (at tuning.precision); `name` labels the failures.
+// Returns the results, for comparisons between runs.
+ForwardResults check_forward(const Model& m, const std::vector<Call>& calls, ForwardMode mode,
+                             const std::string& name = current_test_name(), const Config& tuning = {});
+
+// Two runs of the same calls (another kernel path, another config) gave bitwise the same out and y slots.
+void expect_same_forward(const ForwardResults& a, const ForwardResults& b, const std::string& name);
 
 }  // namespace pounce::gpu_test

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 
 #include "reference/bf16.h"
 
@@ -232,7 +233,8 @@ void for_each_fused_variant(
 
 // ---- reference ----
 
-reference::testing::Case make_reference_case(const Model& m, const std::vector<RankData>& data) {
+reference::testing::Case make_reference_case(const Model& m, const std::vector<RankData>& data,
+                                             Precision precision) {
   const Shape& s = m.shape;
   const int64_t R = s.num_ranks, El = s.num_local_experts(), I = s.intermediate, H = s.hidden;
   reference::testing::Case c;
@@ -246,6 +248,7 @@ reference::testing::Case make_reference_case(const Model& m, const std::vector<R
   p.block_m = kBlockM;
   p.activation = m.activation;
   p.numerics = reference::Numerics::kBf16;
+  p.precision = precision;
   c.ranks.resize(R);
   c.routed.resize(R);
   for (int64_t r = 0; r < R; ++r) {
@@ -305,7 +308,7 @@ ForwardArgs DeviceInputs::args(const Shape& s, int64_t T, bool idx_int64, int de
   return a;
 }
 
-DeviceWeights::DeviceWeights(const Model& m, int rank, int device) {
+DeviceWeights::DeviceWeights(const Model& m, int rank, int device, Precision precision) {
   const Shape& s = m.shape;
   const int64_t El = s.num_local_experts(), I = s.intermediate, H = s.hidden, Is = s.shared_intermediate;
   auto upload = [&](const std::vector<uint16_t>& w, int64_t begin, int64_t count,
@@ -322,6 +325,26 @@ DeviceWeights::DeviceWeights(const Model& m, int rank, int device) {
     shared.up = upload(m.shared_up, 0, Is * H, {Is, H});
     shared.down = upload(m.shared_down, 0, H * Is, {H, Is});
   }
+  if (precision != Precision::kFP8) return;
+  // include/pounce/fp8.h: data [El, N, K] and scales [El, ceil(N / 128), ceil(K / 128)], forward orientation
+  // as the bf16 weights, backward orientation transposed.
+  const std::pair<Fp8Tensor*, std::vector<int64_t>> tensors[] = {
+      {&fp8.gate, {El, I, H}},   {&fp8.up, {El, I, H}},   {&fp8.down, {El, H, I}},
+      {&fp8.gate_t, {El, H, I}}, {&fp8.up_t, {El, H, I}}, {&fp8.down_t, {El, I, H}}};
+  auto blocks = [](int64_t extent) { return (extent + kFp8Block - 1) / kFp8Block; };
+  for (const auto& [tensor, dims] : tensors) {
+    const std::vector<int64_t> scale_dims = {El, blocks(dims[1]), blocks(dims[2])};
+    fp8_buffers.push_back(std::make_unique<DeviceBuffer<uint8_t>>(El * dims[1] * dims[2]));
+    tensor->data = TensorView(fp8_buffers.back()->ptr, DType::kFP8E4M3, dims, DeviceKind::kCuda, device);
+    fp8_buffers.back()->poison();
+    fp8_buffers.push_back(std::make_unique<DeviceBuffer<uint8_t>>(El * scale_dims[1] * scale_dims[2] * 4));
+    tensor->scale = TensorView(fp8_buffers.back()->ptr, DType::kFP32, scale_dims, DeviceKind::kCuda, device);
+    fp8_buffers.back()->poison();
+  }
+  // On the legacy stream, after the poison; synchronised like DeviceBuffer::upload, so every pass sees it.
+  quantize_weights_fp8(routed, fp8, nullptr);
+  CUDA_OK(cudaStreamSynchronize(nullptr));
+  routed_fp8 = &fp8;
 }
 
 // ---- rank threads ----
@@ -377,6 +400,34 @@ std::string bitwise_difference(const std::string& name, const void* a, size_t a_
          hex_bits(y + i * element_bytes, element_bytes) + ")";
 }
 
+std::string fp8_budget_difference(const std::string& name, const std::vector<double>& gpu,
+                                  const std::vector<double>& bf16, bool gradient,
+                                  const std::vector<bool>* mask) {
+  if (gpu.size() != bf16.size())
+    return name + ": size " + std::to_string(gpu.size()) + " vs the BF16 reference's " +
+           std::to_string(bf16.size());
+  double diff2 = 0, dot = 0, gpu2 = 0, bf16_2 = 0;
+  for (size_t i = 0; i < gpu.size(); ++i) {
+    if (mask && !(*mask)[i]) continue;
+    diff2 += (gpu[i] - bf16[i]) * (gpu[i] - bf16[i]);
+    dot += gpu[i] * bf16[i];
+    gpu2 += gpu[i] * gpu[i];
+    bf16_2 += bf16[i] * bf16[i];
+  }
+  std::ostringstream out;
+  if (bf16_2 == 0) {
+    if (gpu2 == 0) return "";
+    out << name << ": norm " << std::sqrt(gpu2) << " where the BF16 layer is exactly zero";
+    return out.str();
+  }
+  const double relative = std::sqrt(diff2 / bf16_2), cosine = dot / std::sqrt(gpu2 * bf16_2);
+  if (relative <= kFp8MaxRelativeError && (!gradient || cosine >= kFp8MinCosine)) return "";
+  out << name << ": relative error " << relative << " (budget " << kFp8MaxRelativeError << ")";
+  if (gradient) out << ", cosine similarity " << cosine << " (budget >= " << kFp8MinCosine << ")";
+  out << " against the BF16 layer";
+  return out.str();
+}
+
 std::string coordinate(const std::vector<int64_t>& dims, int64_t index) {
   std::vector<int64_t> at(dims.size());
   for (size_t d = dims.size(); d-- > 0;) {
@@ -390,8 +441,8 @@ std::string coordinate(const std::vector<int64_t>& dims, int64_t index) {
 
 std::string compare_close(const std::string& name, const std::vector<int64_t>& dims,
                           const std::vector<double>& gpu, const std::vector<double>& ref,
-                          const std::vector<double>& ref64, const std::vector<bool>* mask,
-                          double extra_atol) {
+                          const std::vector<double>& ref64, const std::vector<bool>* mask, double extra_atol,
+                          double noise_factor) {
   if (gpu.size() != ref.size() || ref.size() != ref64.size())
     return name + ": size " + std::to_string(gpu.size()) + " vs reference " + std::to_string(ref.size()) +
            " / " + std::to_string(ref64.size());
@@ -401,14 +452,14 @@ std::string compare_close(const std::string& name, const std::vector<int64_t>& d
     noise = std::max(noise, std::fabs(ref[i] - ref64[i]));
     max_ref = std::max(max_ref, std::fabs(ref64[i]));
   }
-  const double bound = 2 * noise + 1e-6 * max_ref + extra_atol + 1e-30;
+  const double bound = noise_factor * noise + 1e-6 * max_ref + extra_atol + 1e-30;
   for (size_t i = 0; i < ref.size(); ++i) {
     if (mask && !(*mask)[i]) continue;
     if (!(std::fabs(gpu[i] - ref64[i]) <= bound)) {
       std::ostringstream out;
       out << name << coordinate(dims, static_cast<int64_t>(i)) << ": gpu " << gpu[i] << " vs reference bf16 "
-          << ref[i] << " / fp64 " << ref64[i] << " (bound " << bound << " = 2 x bf16 noise " << noise
-          << " + atol)";
+          << ref[i] << " / fp64 " << ref64[i] << " (bound " << bound << " = " << noise_factor
+          << " x bf16 noise " << noise << " + atol)";
       return out.str();
     }
   }

@@ -2,9 +2,9 @@
 // seeds, the cases several files share (4 and 8 ranks, CUDA graphs, the fused == staged matrix, the smallest
 // macrobatch ring), the same problem for the CPU reference (tests/cpu/reference_fixtures.h's Case), device
 // buffers behind the public API's tensor views, a thread-per-GPU driver, the poison pattern, the one bitwise
-// comparison and the one tolerance comparison (docs/design.md §6). The forward and backward drivers built on
-// them are forward_harness.h and backward_harness.h; test_gemm.cu uses the skip rule, buffers, poison and the
-// bitwise comparison alone.
+// comparison, the one tolerance comparison (docs/design.md §6) and the FP8 error budget. The forward and
+// backward drivers built on them are forward_harness.h and backward_harness.h; test_gemm.cu uses the skip
+// rule, buffers, poison and the bitwise comparison alone.
 //
 // Test data encodes its origin: x rows differ per rank and token, so a misrouted row shows up at once.
 #pragma once
@@ -138,8 +138,10 @@ void for_each_fused_variant(
 
 // ---- reference ----
 
-// The CPU reference's view of one call (Numerics::kBf16, bf16 inputs converted to double, d_out included).
-reference::testing::Case make_reference_case(const Model& m, const std::vector<RankData>& data);
+// The CPU reference's view of one call (Numerics::kBf16, bf16 inputs converted to double, d_out included), at
+// `precision` (kFP8: the reference quantizes the bf16 routed weights itself, as quantize_weights_fp8 does).
+reference::testing::Case make_reference_case(const Model& m, const std::vector<RankData>& data,
+                                             Precision precision = Precision::kBF16);
 
 // ---- device buffers (on the current device) ----
 
@@ -195,11 +197,19 @@ struct DeviceInputs {
   ForwardArgs args(const Shape& s, int64_t T, bool idx_int64, int device) const;
 };
 
-// This rank's slice of the routed weights and the shared weights, as bf16 device tensors.
+// This rank's slice of the routed weights and the shared weights, as bf16 device tensors. With
+// Precision::kFP8 also the routed weights quantized on the GPU by pounce::quantize_weights_fp8 (e4m3 data
+// and scales, both orientations, poisoned before), which routed_fp8 points at: ForwardArgs::routed_fp8. The
+// shared expert stays BF16.
 struct DeviceWeights {
   std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> buffers;
+  std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> fp8_buffers;
   ExpertWeights routed, shared;
-  DeviceWeights(const Model& m, int rank, int device);
+  Fp8Weights fp8;
+  const Fp8Weights* routed_fp8 = nullptr;  // &fp8 in FP8, else null
+  DeviceWeights(const Model& m, int rank, int device, Precision precision = Precision::kBF16);
+  DeviceWeights(const DeviceWeights&) = delete;  // routed_fp8 points into this object
+  DeviceWeights& operator=(const DeviceWeights&) = delete;
 };
 
 // ---- rank threads ----
@@ -238,11 +248,28 @@ bool same_bits(const T& a, const T& b) {
 // atol, i.e. the GPU is no further from the exact answer than twice the bf16 reference's own rounding noise
 // (accumulation order differs, so an element may sit an ulp or a flipped rounding away from ref_bf16).
 // atol = 1e-6 * max|ref64| + extra_atol. `dims` name the coordinates of a failure. Returns "" on success,
-// else the first coordinate beyond the bound with all three values.
+// else the first coordinate beyond the bound with all three values. `noise_factor` replaces the 2 (see
+// noise_factor_for).
 std::string compare_close(const std::string& name, const std::vector<int64_t>& dims,
                           const std::vector<double>& gpu, const std::vector<double>& ref,
                           const std::vector<double>& ref64, const std::vector<bool>* mask = nullptr,
-                          double extra_atol = 0);
+                          double extra_atol = 0, double noise_factor = 2);
+// The factor of compare_close's noise bound per precision: 2 in BF16; 4 in FP8, where a one-ulp difference
+// in g, u or d_g (accumulation order) can flip an e4m3 rounding of the next GEMM's operand, a step of 1/16
+// to 1/8 of the value, so the largest noise of two independent evaluations differs more than in BF16 (seen
+// on H200: d_topk_weights 2.3 x the reference pair's noise, with every other tensor within 2 x).
+inline double noise_factor_for(Precision precision) {
+  return precision == Precision::kFP8 ? 4.0 : 2.0;
+}
+// The FP8 error budget (docs/design.md §1 "FP8 mode"): the FP8 layer against the BF16 layer on the same
+// inputs, per tensor ||gpu - bf16|| / ||bf16|| <= 0.1 and, for a gradient, cosine similarity >= 0.996.
+// `bf16` is the reference at Precision::kBF16; `mask` selects the elements that count (used y slots). A
+// tensor the BF16 layer leaves all zero must be all zero. Returns "" on success, else both figures.
+inline constexpr double kFp8MaxRelativeError = 0.1;
+inline constexpr double kFp8MinCosine = 0.996;
+std::string fp8_budget_difference(const std::string& name, const std::vector<double>& gpu,
+                                  const std::vector<double>& bf16, bool gradient,
+                                  const std::vector<bool>* mask = nullptr);
 // "[i, j, k]" of flat index `index` in a row-major tensor of shape `dims`.
 std::string coordinate(const std::vector<int64_t>& dims, int64_t index);
 
