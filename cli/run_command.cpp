@@ -192,8 +192,11 @@ int run_command(const RunOptions& options) {
   const bool fp8 = setup.config.precision == Precision::kFP8;
   if (!on_gpu) check_cpu_memory(s);
   if (on_gpu && fp8)
-    check_cpu_memory(s, "the FP8 check (the CPU reference, holding every expert's weights)",
-                     "or run with --precision bf16 (its fp64 check reads the weights in place)");
+    check_cpu_memory(
+        estimate_reference_check_bytes(s, setup.check_tokens, options.check_experts), s,
+        "the FP8 check (the host inputs and the CPU reference at the check's tokens and experts)",
+        "or pass a smaller --check-tokens or --check-experts, or run with --precision bf16 (its "
+        "fp64 check reads the weights in place)");
   // With --json - the JSON owns stdout; the human report goes to stderr.
   std::ostream& out = options.json == "-" ? std::cerr : std::cout;
 

@@ -11,9 +11,8 @@
 #include "src/gpu_backend.h"
 
 namespace pounce::cli {
-namespace {
 
-// Sampled tokens of the fp64 check on GPUs: a cost budget in multiply-adds, between 8 and 64 per rank.
+// A cost budget in multiply-adds: the check's per-token work over half the cores, 4e9 each.
 int64_t default_check_tokens(const Shape& s) {
   const double per_token = 6.0 * static_cast<double>(s.hidden) *
                            static_cast<double>(s.num_topk * s.intermediate + s.shared_intermediate);
@@ -21,6 +20,8 @@ int64_t default_check_tokens(const Shape& s) {
   const int64_t fit = static_cast<int64_t>(budget / (per_token * static_cast<double>(s.num_ranks)));
   return std::clamp<int64_t>(fit, 8, 64);
 }
+
+namespace {
 
 double physical_memory_bytes() {
   const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGE_SIZE);
@@ -192,7 +193,11 @@ RunSetup resolve_run(const RunOptions& options, const BackendChoice& backend, co
 }
 
 void check_cpu_memory(const Shape& shape, const std::string& who, const std::string& otherwise) {
-  const double need = estimate_cpu_bytes(shape), have = physical_memory_bytes();
+  check_cpu_memory(estimate_cpu_bytes(shape), shape, who, otherwise);
+}
+
+void check_cpu_memory(double need, const Shape& shape, const std::string& who, const std::string& otherwise) {
+  const double have = physical_memory_bytes();
   POUNCE_CHECK(have == 0.0 || need < 0.85 * have, who, " needs about ", static_cast<int64_t>(need / 1e9),
                " GB of host memory for this shape but the machine has ", static_cast<int64_t>(have / 1e9),
                " GB; shrink it (e.g. --experts ", std::max<int64_t>(shape.num_ranks, shape.num_topk),

@@ -80,12 +80,18 @@ Precision parse_precision(const std::string& name);
 Activation parse_activation(const std::string& name, std::optional<float> clamp, const Activation& fallback);
 std::string describe_activation(const Activation& activation);
 
+// Sampled tokens per rank of the check on GPUs (the default of --check-tokens there): a cost budget in
+// multiply-adds over this machine's cores, between 8 and 64.
+int64_t default_check_tokens(const Shape& shape);
+
 // Host memory the CPU backend needs for `shape` (inputs, gradients, the reference's fp64 copies), bytes.
 double estimate_cpu_bytes(const Shape& shape);
 // Throws pounce::Error when that exceeds 85% of this machine's memory (instead of being killed mid-run).
-// `who` names what needs it (the CPU backend, or the CPU reference that checks `pounce run --precision fp8`,
-// which holds every expert's weights as the backend does) and `otherwise` the other fix.
+// `who` names what needs it and `otherwise` the other fix.
 void check_cpu_memory(const Shape& shape, const std::string& who = "the CPU backend",
                       const std::string& otherwise = "or run on a GPU machine");
+// The same for `need` bytes (e.g. the CPU reference that checks `pounce run --precision fp8`:
+// cli/reference_check.h estimate_reference_check_bytes).
+void check_cpu_memory(double need, const Shape& shape, const std::string& who, const std::string& otherwise);
 
 }  // namespace pounce::cli

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <map>
 
 #include "pounce/error.h"
@@ -104,39 +105,127 @@ TEST(CliFp8, PrecisionOptionAndItsErrors) {
             "pounce: --precision fp16 is unknown; choose bf16 or fp8");
 }
 
-// The two smaller problems reference_evaluate gives the reference yield exactly what the layer (the CPU
-// backend runs the same reference on the whole problem) produced at the plan's coordinates: FP8, and BF16
-// with biases, on a sampled plan.
+// The smaller problems reference_evaluate gives the reference yield exactly what the layer (the CPU backend
+// runs the same reference on the whole problem) produced at the plan's coordinates: FP8, and BF16 with
+// biases, on sampled plans: 1 expert per rank of 4; k = 8 > R x 1 sampled experts (the experts problem
+// packs each token's pairs into 2 slots, its schedule segments of 160 rows as they were); 2 tokens per rank
+// using at most 8 of 64 experts (the tokens problem renumbers them); the tokens in batches of one token, and
+// of a few.
 TEST(CliFp8, ReferenceAtAPlanIsTheWholeLayersValues) {
-  for (const Precision precision : {Precision::kFP8, Precision::kBF16}) {
-    const bool biases = precision == Precision::kBF16;
-    SCOPED_TRACE(to_string(precision));
-    const HostProblem problem = generate_problem(fp8_shape(), Activation::swiglu(), 11, 0, {}, biases);
-    const CheckPlan plan = make_check_plan(problem, {5, 1, 3, 11});
-    RunRequest request;
-    request.problem = &problem;
-    request.config.backend = Backend::kCpu;
-    request.config.precision = precision;
-    request.plan = &plan;
-    const RunOutcome outcome = run_on_cpu(request);
-    ASSERT_TRUE(outcome.backward_ran) << outcome.backward_error;
-    EXPECT_EQ(outcome.weight_quantize_ms.has_value(), precision == Precision::kFP8);
+  struct Case {
+    const char* name;
+    Shape shape;
+    PlanOptions plan;
+    double batch_bytes = kReferenceBatchBytes;
+  };
+  Shape wide_topk = fp8_shape();
+  wide_topk.num_experts = 16;
+  wide_topk.num_topk = 8;
+  wide_topk.max_tokens = 160;  // 160 rows per expert: two 128-row token-axis blocks
+  Shape many_experts = fp8_shape();
+  many_experts.num_experts = 64;
+  many_experts.num_topk = 4;
+  Shape batched = fp8_shape();
+  batched.num_experts = 16;
+  batched.num_topk = 4;
+  const double expert_bytes = kReferenceBytesPerWeight * 3.0 * batched.hidden * batched.intermediate;
+  const std::vector<Case> cases = {
+      {"4 experts, k = 2", fp8_shape(), {5, 1, 3, 11}},
+      {"16 experts, k = 8 > 2 x 1 sampled", wide_topk, {5, 1, 3, 11}},
+      {"64 experts, k = 4, 2 tokens", many_experts, {2, 2, 3, 11}},
+      {"batches of one token", batched, {6, 2, 3, 11}, 1.0},
+      {"batches of up to 10 experts", batched, {6, 2, 3, 11}, 10.5 * expert_bytes},
+  };
+  for (const Case& c : cases) {
+    for (const Precision precision : {Precision::kFP8, Precision::kBF16}) {
+      const bool biases = precision == Precision::kBF16;
+      SCOPED_TRACE(::testing::Message() << c.name << ", " << to_string(precision));
+      const HostProblem problem = generate_problem(c.shape, Activation::swiglu(), 11, 0, {}, biases);
+      const CheckPlan plan = make_check_plan(problem, c.plan);
+      RunRequest request;
+      request.problem = &problem;
+      request.config.backend = Backend::kCpu;
+      request.config.precision = precision;
+      request.plan = &plan;
+      const RunOutcome outcome = run_on_cpu(request);
+      ASSERT_TRUE(outcome.backward_ran) << outcome.backward_error;
+      EXPECT_EQ(outcome.weight_quantize_ms.has_value(), precision == Precision::kFP8);
 
-    const SampledTensors ref = reference_evaluate(problem, plan, true, precision, 2);
-    for (int f = 0; f < kNumFields; ++f) {
-      const Field field = static_cast<Field>(f);
-      const bool shared =
-          field == Field::kDSharedGate || field == Field::kDSharedUp || field == Field::kDSharedDown;
-      const bool bias =
-          field == Field::kDRoutedBGate || field == Field::kDRoutedBUp || field == Field::kDRoutedBDown;
-      if (shared || (bias && !biases)) {
-        EXPECT_TRUE(ref[field].empty()) << field_name(field) << ": the shared expert is dense_evaluate's";
-        continue;
+      const SampledTensors ref = reference_evaluate(problem, plan, true, precision, 2, c.batch_bytes);
+      for (int f = 0; f < kNumFields; ++f) {
+        const Field field = static_cast<Field>(f);
+        const bool shared =
+            field == Field::kDSharedGate || field == Field::kDSharedUp || field == Field::kDSharedDown;
+        const bool bias =
+            field == Field::kDRoutedBGate || field == Field::kDRoutedBUp || field == Field::kDRoutedBDown;
+        if (shared || (bias && !biases)) {
+          EXPECT_TRUE(ref[field].empty()) << field_name(field) << ": the shared expert is dense_evaluate's";
+          continue;
+        }
+        ASSERT_FALSE(ref[field].empty()) << field_name(field);
+        EXPECT_EQ(ref[field], outcome.observed[field]) << field_name(field);
       }
-      ASSERT_FALSE(ref[field].empty()) << field_name(field);
-      EXPECT_EQ(ref[field], outcome.observed[field]) << field_name(field);
+      const SampledTensors forward = reference_evaluate(problem, plan, false, precision, 2, c.batch_bytes);
+      EXPECT_EQ(forward[Field::kOut], outcome.observed[Field::kOut]) << "forward only";
+      for (int f = 1; f < kNumFields; ++f) EXPECT_TRUE(forward.values[f].empty()) << f;
     }
   }
+}
+
+// k > R x the sampled experts packs a token's pairs to them into min(k, R x n) slots, which only a token
+// repeating an expert overflows: refused by name.
+TEST(CliFp8, ReferenceRefusesATokenRepeatingASampledExpert) {
+  Shape shape = fp8_shape();
+  shape.num_experts = 16;
+  shape.num_topk = 8;
+  HostProblem problem = generate_problem(shape, Activation::swiglu(), 11);
+  const CheckPlan plan = make_check_plan(problem, {5, 1, 3, 11});
+  const int32_t sampled = static_cast<int32_t>(plan.experts[0][0]);  // rank 0's: global id = local id
+  for (int j = 0; j < 3; ++j) problem.ranks[0].topk_idx[7 * shape.num_topk + j] = sampled;
+  const std::string error = error_of([&] { reference_evaluate(problem, plan, true, Precision::kFP8, 2); });
+  EXPECT_NE(error.find("token 7 of rank 0 routes more than 2 of its 8 pairs to the 2 sampled experts"),
+            std::string::npos)
+      << error;
+  EXPECT_NE(error.find("repeats an expert"), std::string::npos) << error;
+}
+
+// The FP8 check's host memory on a GPU machine: deepseek-v3 at 2048 tokens on one GPU (the whole-layer
+// estimate, 303 GB, refused it on a 128 GiB host), at the default check tokens of this machine and of an
+// H200 host (16 cores: 40 tokens), and at the most the default gives (64); qwen3-30b-a3b beside it.
+TEST(CliFp8, CheckMemoryIsTheReducedProblems) {
+  Shape deepseek = find_preset("deepseek-v3").shape;
+  deepseek.max_tokens = 2048;
+  deepseek.num_ranks = 1;
+  const RunOptions defaults;
+  EXPECT_GT(estimate_cpu_bytes(deepseek), 300e9) << "the whole layer's";
+  const int64_t here = default_check_tokens(deepseek);
+  for (const int64_t tokens : {here, int64_t{40}, int64_t{64}}) {
+    for (const int threads : {16, 128}) {
+      const double bytes = estimate_reference_check_bytes(deepseek, tokens, defaults.check_experts, threads);
+      std::cout << "deepseek-v3, 2048 tokens x 1 rank, " << tokens << " check tokens, " << threads
+                << " threads: " << bytes / 1e9 << " GB\n";
+      EXPECT_LT(bytes, 100e9) << tokens << " tokens, " << threads << " threads";
+      // At least the host inputs (bf16, every expert) and 42 experts' reference weights (one batch).
+      const double inputs = 2.0 * 3.0 * 7168.0 * (256.0 * 2048.0 + 2048.0);
+      EXPECT_GT(bytes, inputs + 42.0 * kReferenceBytesPerWeight * 3.0 * 7168.0 * 2048.0);
+    }
+  }
+  // Unbatched, the 40 tokens' 320 pairs may reach every expert.
+  EXPECT_GT(estimate_reference_check_bytes(deepseek, 40, 2, 16, 1e300),
+            3.0 * 7168.0 * 2048.0 * 256.0 * (2.0 + kReferenceBytesPerWeight));
+  Shape qwen = find_preset("qwen3-30b-a3b").shape;
+  qwen.max_tokens = 2048;
+  qwen.num_ranks = 1;
+  for (const int64_t tokens : {int64_t{40}, int64_t{64}}) {  // 64: its default on a 16-core host
+    const double qwen_bytes = estimate_reference_check_bytes(qwen, tokens, defaults.check_experts, 16);
+    std::cout << "qwen3-30b-a3b, 2048 tokens x 1 rank, " << tokens
+              << " check tokens, 16 threads: " << qwen_bytes / 1e9 << " GB\n";
+    EXPECT_LT(qwen_bytes, 30e9);
+  }
+  Shape deepseek8 = deepseek;
+  deepseek8.num_ranks = 8;
+  std::cout << "deepseek-v3, 2048 tokens x 8 ranks, 40 check tokens, 128 threads: "
+            << estimate_reference_check_bytes(deepseek8, 40, 2, 128) / 1e9 << " GB\n";
 }
 
 TEST(CliFp8, BudgetIsRelativeErrorAndGradientCosine) {
