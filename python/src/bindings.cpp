@@ -9,6 +9,10 @@
 // now), (gate, up, down, b_gate, b_up, b_down): b_gate, b_up [El, I], b_down [El, H] bf16, any of them None
 // for no such bias; in d_routed their gradients (None = not computed; fp32/bf16 as the weight gradients).
 //
+// Quantized routed weights (Config.precision fp8: `routed_fp8` of forward/backward/recompute_forward_context,
+// `out` of quantize_weights_fp8) are six (data, scale) pairs in the order gate, up, down, gate_t, up_t,
+// down_t, as include/pounce/fp8.h lays them out: data uint8 (the e4m3 bits) or fp8e4m3, scale fp32.
+//
 // forward/backward/recompute_forward_context and the collective constructors release the GIL: on the
 // CPU backend the R ranks are R Python threads whose calls meet at a host barrier inside the call.
 #include <nanobind/nanobind.h>
@@ -53,21 +57,15 @@ class TensorArgs {
   void weights(nb::handle object, const std::string& name, bool is_output, ExpertWeights& weights,
                StridePolicy policy = StridePolicy::kDense) {
     if (object.is_none()) return;
-    const bool is_sequence = nb::isinstance<nb::sequence>(object) && !nb::isinstance<nb::str>(object);
-    if (!is_sequence || (nb::len(object) != 3 && nb::len(object) != 6)) {
+    if (!is_sequence(object, 3) && !is_sequence(object, 6)) {
       weights.gate = placeholder();
       detail::fail("argument '", name,
                    "' must be a tuple (gate, up, down) of three tensors, or (gate, up, down, b_gate, b_up, ",
                    "b_down) of six with expert biases; got ", describe(object));
     }
-    auto item = [&](Py_ssize_t i) {
-      PyObject* element = PySequence_GetItem(object.ptr(), i);
-      if (element == nullptr) throw nb::python_error();
-      return nb::steal(element);
-    };
     auto take_one = [&](Py_ssize_t i, const char* part, TensorView& view) {
       try {
-        const nb::object element = item(i);
+        const nb::object element = item(object, i);
         if (element.is_none()) return;
         view = is_output ? output(element, name + part, policy) : input(element, name + part, policy);
       } catch (...) {
@@ -87,7 +85,58 @@ class TensorArgs {
     policy = dense;
   }
 
+  // Six (data, scale) pairs in the order gate, up, down, gate_t, up_t, down_t (include/pounce/fp8.h), named
+  // `name`.gate.data, ... in messages. Fills `fp8` one tensor at a time, like weights(): a failure leaves a
+  // placeholder in the failed slot and the later ones empty, so the layer rejects the set.
+  void fp8_weights(nb::handle object, const std::string& name, bool is_output, Fp8Weights& fp8) {
+    static const char* const kNames[] = {"gate", "up", "down", "gate_t", "up_t", "down_t"};
+    Fp8Tensor* slots[] = {&fp8.gate, &fp8.up, &fp8.down, &fp8.gate_t, &fp8.up_t, &fp8.down_t};
+    if (!is_sequence(object, 6)) {
+      fp8.gate.data = placeholder();
+      detail::fail("argument '", name,
+                   "' must be six (data, scale) pairs in the order gate, up, down, gate_t, ",
+                   "up_t, down_t (pounce.quantize_weights_fp8's layout); got ", describe(object));
+    }
+    for (Py_ssize_t i = 0; i < 6; ++i) {
+      const std::string part = name + "." + kNames[i];
+      TensorView* current = &slots[i]->data;
+      try {
+        const nb::object pair = item(object, i);
+        POUNCE_CHECK(is_sequence(pair, 2), "argument '", part,
+                     "' must be a (data, scale) pair: uint8/fp8e4m3 data and fp32 scales; got ",
+                     describe(pair));
+        slots[i]->data =
+            is_output ? output(item(pair, 0), part + ".data") : input(item(pair, 0), part + ".data");
+        current = &slots[i]->scale;
+        slots[i]->scale =
+            is_output ? output(item(pair, 1), part + ".scale") : input(item(pair, 1), part + ".scale");
+      } catch (...) {
+        *current = placeholder();
+        throw;
+      }
+    }
+  }
+
+  // ForwardArgs::routed_fp8 from a Python argument (None = not given): the views live in this TensorArgs,
+  // as long as the call. The pointer is set before the conversion, so that a failed one is rejected too.
+  void routed_fp8(nb::handle object, ForwardArgs& args) {
+    if (object.is_none()) return;
+    args.routed_fp8 = &routed_fp8_;
+    fp8_weights(object, "routed_fp8", false, routed_fp8_);
+  }
+
  private:
+  static bool is_sequence(nb::handle object, size_t length) {
+    return nb::isinstance<nb::sequence>(object) && !nb::isinstance<nb::str>(object) &&
+           nb::len(object) == length;
+  }
+
+  static nb::object item(nb::handle object, Py_ssize_t i) {
+    PyObject* element = PySequence_GetItem(object.ptr(), i);
+    if (element == nullptr) throw nb::python_error();
+    return nb::steal(element);
+  }
+
   // Stands for a tensor that failed to convert: an empty view would pass for "no shared expert", and
   // run_collective relies on the call being rejected.
   static TensorView placeholder() { return TensorView(nullptr, DType::kUInt8, {0}); }
@@ -134,16 +183,18 @@ class TensorArgs {
 
   std::vector<nb::ndarray<nb::ro>> inputs_;
   std::vector<nb::ndarray<>> outputs_;
+  Fp8Weights routed_fp8_;
 };
 
 void forward_args(TensorArgs& tensors, ForwardArgs& args, nb::handle x, nb::handle topk_idx,
-                  nb::handle topk_weights, nb::handle routed, nb::handle shared) {
+                  nb::handle topk_weights, nb::handle routed, nb::handle shared, nb::handle routed_fp8) {
   args.x = tensors.input(x, "x");
   args.topk_idx = tensors.input(topk_idx, "topk_idx");
   args.topk_weights = tensors.input(topk_weights, "topk_weights");
   POUNCE_CHECK(!routed.is_none(), "argument 'routed' is missing; pass (w_gate, w_up, w_down)");
   tensors.weights(routed, "routed", false, args.routed, StridePolicy::kRowStrided);
   tensors.weights(shared, "shared", false, args.shared, StridePolicy::kRowStrided);
+  tensors.routed_fp8(routed_fp8, args);
 }
 
 // Converts the arguments, then runs the call with the GIL released. When a conversion fails on a CPU
@@ -386,50 +437,52 @@ void bind_layer(nb::module_& m) {
   m.def(
       "forward",
       [](Workspace& workspace, nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle routed,
-         nb::handle out, nb::handle shared, uintptr_t stream) {
+         nb::handle out, nb::handle shared, uintptr_t stream, nb::handle routed_fp8) {
         TensorArgs tensors;
         run_collective<ForwardArgs>(
             workspace,
             [&](ForwardArgs& args) {
-              forward_args(tensors, args, x, topk_idx, topk_weights, routed, shared);
+              forward_args(tensors, args, x, topk_idx, topk_weights, routed, shared, routed_fp8);
               args.out = tensors.output(out, "out");
             },
             [&](const ForwardArgs& args) { forward(workspace, args, stream_pointer(stream)); });
       },
       "workspace"_a, "x"_a, "topk_idx"_a, "topk_weights"_a, "routed"_a, "out"_a, "shared"_a = nb::none(),
-      "stream"_a = 0,
+      "stream"_a = 0, nb::kw_only(), "routed_fp8"_a = nb::none(),
       "out[T,H] = the MoE layer of x[T,H] bf16 with topk_idx[T,k] int32/int64 and topk_weights[T,k] fp32;\n"
       "routed = (w_gate [El,I,H], w_up [El,I,H], w_down [El,H,I]) bf16, shared = (gate [Is,H], up [Is,H],\n"
       "down [H,Is]) or None. `stream` is a cudaStream_t as an int (0 = default stream). Saves the forward\n"
-      "context in the workspace for backward.");
+      "context in the workspace for backward. With config.precision fp8, routed_fp8 = the six (data, scale)\n"
+      "pairs quantize_weights_fp8 wrote from these routed weights (gate, up, down, gate_t, up_t, down_t).");
   m.def(
       "recompute_forward_context",
       [](Workspace& workspace, nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle routed,
-         nb::handle shared, uintptr_t stream) {
+         nb::handle shared, uintptr_t stream, nb::handle routed_fp8) {
         TensorArgs tensors;
         run_collective<ForwardArgs>(
             workspace,
             [&](ForwardArgs& args) {
-              forward_args(tensors, args, x, topk_idx, topk_weights, routed, shared);
+              forward_args(tensors, args, x, topk_idx, topk_weights, routed, shared, routed_fp8);
             },
             [&](const ForwardArgs& args) {
               recompute_forward_context(workspace, args, stream_pointer(stream));
             });
       },
       "workspace"_a, "x"_a, "topk_idx"_a, "topk_weights"_a, "routed"_a, "shared"_a = nb::none(),
-      "stream"_a = 0,
+      "stream"_a = 0, nb::kw_only(), "routed_fp8"_a = nb::none(),
       "Rebuilds the forward context of these inputs in the workspace (bitwise as forward saved it) without\n"
-      "writing out: run it before backward when another forward used the workspace in between.");
+      "writing out: run it before backward when another forward used the workspace in between. routed_fp8:\n"
+      "as for forward (required with config.precision fp8).");
   m.def(
       "backward",
       [](Workspace& workspace, nb::handle x, nb::handle topk_idx, nb::handle topk_weights, nb::handle routed,
          nb::handle d_out, nb::handle d_x, nb::handle d_topk_weights, nb::handle d_routed, nb::handle shared,
-         nb::handle d_shared, bool accumulate_weight_grads, uintptr_t stream) {
+         nb::handle d_shared, bool accumulate_weight_grads, uintptr_t stream, nb::handle routed_fp8) {
         TensorArgs tensors;
         run_collective<BackwardArgs>(
             workspace,
             [&](BackwardArgs& args) {
-              forward_args(tensors, args.inputs, x, topk_idx, topk_weights, routed, shared);
+              forward_args(tensors, args.inputs, x, topk_idx, topk_weights, routed, shared, routed_fp8);
               args.d_out = tensors.input(d_out, "d_out");
               args.d_x = tensors.output(d_x, "d_x");
               args.d_topk_weights = tensors.output(d_topk_weights, "d_topk_weights");
@@ -441,7 +494,7 @@ void bind_layer(nb::module_& m) {
       },
       "workspace"_a, "x"_a, "topk_idx"_a, "topk_weights"_a, "routed"_a, "d_out"_a, "d_x"_a,
       "d_topk_weights"_a, "d_routed"_a.none(), "shared"_a = nb::none(), "d_shared"_a = nb::none(),
-      "accumulate_weight_grads"_a = false, "stream"_a = 0,
+      "accumulate_weight_grads"_a = false, "stream"_a = 0, nb::kw_only(), "routed_fp8"_a = nb::none(),
       "Writes d_x [T,H] bf16, d_topk_weights [T,k] fp32 and the weight gradients (bf16 or fp32, shaped as "
       "the\n"
       "weights; added into fp32 tensors when accumulate_weight_grads) from d_out [T,H] bf16. The inputs "
@@ -449,7 +502,9 @@ void bind_layer(nb::module_& m) {
       "be those of the forward whose context the workspace holds. A weight gradient given as None (or\n"
       "d_routed / d_shared None) is not computed: frozen weights cost no weight-gradient GEMM. The routed\n"
       "gate and up gradients may be the halves of one [El,2I,H] tensor (d[:, :I], d[:, I:]), written in\n"
-      "place; weights may be row-strided views (the halves or interleaved rows of a fused gate_up).");
+      "place; weights may be row-strided views (the halves or interleaved rows of a fused gate_up).\n"
+      "routed_fp8: as for forward (required with config.precision fp8; the weight gradients stay "
+      "bf16/fp32).");
 
   m.def(
       "quantize_weights_fp8",
@@ -458,29 +513,8 @@ void bind_layer(nb::module_& m) {
         ExpertWeights weights;
         POUNCE_CHECK(!routed.is_none(), "argument 'routed' is missing; pass (w_gate, w_up, w_down)");
         tensors.weights(routed, "routed", false, weights);
-        static const char* const kNames[] = {"gate", "up", "down", "gate_t", "up_t", "down_t"};
         Fp8Weights fp8;
-        Fp8Tensor* slots[] = {&fp8.gate, &fp8.up, &fp8.down, &fp8.gate_t, &fp8.up_t, &fp8.down_t};
-        auto is_sequence = [](nb::handle object, size_t length) {
-          return nb::isinstance<nb::sequence>(object) && !nb::isinstance<nb::str>(object) &&
-                 nb::len(object) == length;
-        };
-        auto item = [](nb::handle object, Py_ssize_t i) {
-          PyObject* element = PySequence_GetItem(object.ptr(), i);
-          if (element == nullptr) throw nb::python_error();
-          return nb::steal(element);
-        };
-        POUNCE_CHECK(is_sequence(out, 6),
-                     "argument 'out' must be six (data, scale) pairs in the order gate, up, ",
-                     "down, gate_t, up_t, down_t");
-        for (Py_ssize_t i = 0; i < 6; ++i) {
-          const std::string name = std::string("out.") + kNames[i];
-          const nb::object pair = item(out, i);
-          POUNCE_CHECK(is_sequence(pair, 2), "argument '", name,
-                       "' must be a (data, scale) pair: uint8/fp8e4m3 data and fp32 scales");
-          slots[i]->data = tensors.output(item(pair, 0), name + ".data");
-          slots[i]->scale = tensors.output(item(pair, 1), name + ".scale");
-        }
+        tensors.fp8_weights(out, "out", true, fp8);
         nb::gil_scoped_release release;
         quantize_weights_fp8(weights, fp8, stream_pointer(stream));
       },

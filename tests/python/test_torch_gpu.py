@@ -414,3 +414,91 @@ def test_transformers_backend_matches_grouped_mm(world):
 
     agree(check)
     pt.free_workspaces()
+
+
+# -- FP8 (precision="fp8") ----------------------------------------------------------------------------------
+
+
+def check_fp8_budget(rank, names, got, ref):
+    """docs/design.md §1's FP8 budget against the BF16 layer: relative error <= 0.1 per tensor, gradient
+    cosine >= 0.996."""
+    def check():
+        for name, g, r in zip(names, got, ref):
+            g, r = g.double().flatten(), r.double().flatten()
+            rel = ((g - r).norm() / r.norm().clamp_min(1e-30)).item()
+            assert rel <= 0.1, f"rank {rank} {name}: relative error {rel:.4f} > 0.1"
+            if name != "out":
+                cosine = torch.nn.functional.cosine_similarity(g, r, dim=0).item()
+                assert cosine >= 0.996, f"rank {rank} {name}: cosine {cosine:.5f} < 0.996"
+
+    agree(check)
+
+
+FP8_NAMES = ["out", "d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up", "d_ws_down"]
+
+
+def test_fp8_forward_and_gradients_within_the_budget(world):
+    rank, R, _ = world
+    inputs, routed, shared_w = make_inputs(R, [300, 170], seed=31, shared=IS)
+    bf16 = make_module(routed, shared_w)
+    fp8 = make_module(routed, shared_w, precision="fp8")
+    ref = step(bf16, *inputs[rank])
+    got = step(fp8, *inputs[rank])
+    check_fp8_budget(rank, FP8_NAMES, got, ref)
+    again = step(fp8, *inputs[rank])
+    agree(lambda: require(all(torch.equal(a, b) for a, b in zip(got, again)), "two FP8 runs differ"))
+    agree(lambda: require(fp8.fp8_cache.quantizations == 1, f"{fp8.fp8_cache.quantizations} quantizations"))
+
+
+def test_fp8_compile_fullgraph_matches_eager(world):
+    rank, R, _ = world
+    torch._dynamo.reset()
+    inputs, routed, shared_w = make_inputs(R, [200, 100], seed=33, shared=IS)
+    module = make_module(routed, shared_w, precision="fp8")
+    eager = step(module, *inputs[rank])
+    got = step(module, *inputs[rank], fn=torch.compile(module, fullgraph=True))
+    agree(lambda: [require(torch.equal(a, b), f"tensor {i} differs from eager") for i, (a, b) in
+                   enumerate(zip(eager, got))])
+
+
+def test_fp8_cuda_graph_replay_requantizes_the_updated_weights(world):
+    """A captured FP8 forward+backward records the weight quantization: replays after in-place weight
+    updates (an optimizer step outside the graph) match eager steps with those weights, bit for bit."""
+    rank, R, _ = world
+    inputs, routed, shared_w = make_inputs(R, [384, 256], seed=35, shared=IS)
+    module = make_module(routed, shared_w, precision="fp8")
+    params = list(module.parameters())
+    x0, idx0, w0, d0 = inputs[rank]
+    static = dict(x=x0.clone().requires_grad_(), idx=idx0.clone(), w=w0.clone().requires_grad_(), d=d0.clone())
+
+    def graph_step():
+        out = module(static["x"], static["idx"], static["w"])
+        (out.float() * static["d"].float()).sum().backward()
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for t in params + [static["x"], static["w"]]:
+                t.grad = None
+            graph_step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in params + [static["x"], static["w"]]:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = graph_step()
+    captured = [static_out, static["x"].grad, static["w"].grad] + [p.grad for p in params]
+
+    for n in range(3):
+        with torch.no_grad():  # the optimizer step, outside the graph
+            for p in params:
+                p.mul_(0.9).add_(0.01 * torch.randn_like(p))
+        graph.replay()
+        replayed = [t.clone() for t in captured]
+        eager = step(module, x0, idx0, w0, d0)
+        pairs = list(zip(replayed, eager))
+        agree(lambda n=n, pairs=pairs: [
+            require(torch.equal(a, b), f"update {n}: tensor {i} differs from eager") for i, (a, b) in enumerate(pairs)
+        ])

@@ -10,6 +10,10 @@
   experts interface (once transformers is imported; :func:`register_transformers` does it explicitly);
   :func:`configure_transformers` sets the EP group, max_tokens, the workspace policy and moves
   DeepSeek-style shared experts inside pounce.
+- FP8: ``MoE(..., precision="fp8")`` keeps bf16 (or fp32 master) parameters and runs the routed experts on
+  their block-scaled FP8 copies, held in an :class:`Fp8Cache` and re-quantized only after the weights changed
+  (``_version``: once per optimizer step); the functional :func:`moe` takes ``fp8_cache=`` for a layer
+  registered with ``precision="fp8"``.
 - :func:`ep_group`: the pounce GPU group over a ``torch.distributed`` process group (the NCCL unique id
   goes through ``broadcast_object_list``).
 
@@ -38,6 +42,7 @@ Streams: every op runs on ``torch.cuda.current_stream()``. CUDA graphs: run one 
 (the group and the workspace are created then), then capture; replays with new routing written into
 the captured input tensors give the eager results.
 """
+from ._fp8 import Fp8Cache
 from ._module import MoE
 from ._ops import MoEFunction, moe, tokens_per_expert
 from ._registry import (
@@ -53,6 +58,7 @@ from ._transformers import configure_transformers, register_on_import, register_
 register_on_import()
 
 __all__ = [
+    "Fp8Cache",
     "MoE",
     "MoEFunction",
     "configure_transformers",

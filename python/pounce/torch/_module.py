@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 import pounce
 
-from . import _ops, _registry
+from . import _fp8, _ops, _registry
 
 
 def _activation(activation) -> pounce.Activation:
@@ -62,6 +62,13 @@ class MoE(nn.Module):
     Frozen experts: with ``requires_grad=False`` on the routed (or shared) weights, backward returns no
     gradient for them.
 
+    ``precision``: 'bf16' or 'fp8' (overrides ``config.precision``; None keeps it, bf16 by default). With
+    'fp8' the routed experts run block-scaled FP8 (docs/design.md §1; the shared expert stays bf16): the
+    parameters stay ``dtype`` and their FP8 copies, both orientations, live in ``fp8_cache`` (a
+    :class:`pounce.torch.Fp8Cache`, allocated once per device, not in ``state_dict``), re-quantized in the
+    forward only after the weights changed (their ``_version``: once per optimizer step). After writing the
+    weights in a way the version counter misses (through ``.data``), call ``fp8_cache.invalidate()``.
+
     ``load_state_dict`` reads, besides its own per-expert keys, transformers' layouts: the fused
     ``experts.gate_up_proj [E,2I,H]`` / ``experts.down_proj [E,H,I]`` of transformers 5, Mixtral's
     ``experts.{e}.w1/w3/w2.weight`` (gate, up, down) and DeepSeek's ``shared_experts.*_proj.weight``
@@ -85,11 +92,14 @@ class MoE(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         device=None,
         init_seed: Optional[int] = None,
+        precision: Union[str, pounce.Precision, None] = None,
     ):
         super().__init__()
         config = _registry.copy_config(config if config is not None else pounce.Config())
         if activation is not None:
             config.activation = _activation(activation)
+        if precision is not None:
+            config.precision = _registry.parse_precision(precision)
         self.hidden, self.intermediate = hidden, intermediate
         self.num_experts, self.num_topk = num_experts, num_topk
         self.shared_intermediate, self.max_tokens = shared_intermediate, max_tokens
@@ -128,6 +138,11 @@ class MoE(nn.Module):
             self.register_parameter("ws_up", None)
             self.register_parameter("ws_down", None)
         self.last_tokens_per_expert: Optional[Tensor] = None
+        # Not buffers: derived from the weights, they belong in no state_dict, DDP must not broadcast them at
+        # every forward, and .to(dtype)/.half() must not cast their fp32 scales.
+        self.fp8_cache: Optional[_fp8.Fp8Cache] = None
+        if config.precision == pounce.Precision.fp8:
+            self.fp8_cache = _fp8.Fp8Cache(El, I, H, device=self.w_gate.device)
         self.reset_parameters(init_seed)
 
     @property
@@ -160,6 +175,19 @@ class MoE(nn.Module):
                 fill(self.ws_gate, self.hidden, base)
                 fill(self.ws_up, self.hidden, base + 1)
                 fill(self.ws_down, self.shared_intermediate, base + 2)
+
+    @property
+    def precision(self) -> str:
+        """'bf16' or 'fp8'."""
+        return "fp8" if self.fp8_cache is not None else "bf16"
+
+    def _apply(self, fn, *args, **kwargs):
+        """.to(device), .cuda(), .to_empty(): the FP8 cache follows the weights to their device (new, stale
+        tensors there: the next forward quantizes)."""
+        module = super()._apply(fn, *args, **kwargs)
+        if self.fp8_cache is not None:
+            self.fp8_cache.to(self.w_gate.device)
+        return module
 
     def init_main_grad(self) -> None:
         """Allocates a zero fp32 ``main_grad`` next to every parameter (for accumulate_main_grad)."""
@@ -196,6 +224,7 @@ class MoE(nn.Module):
             self.ws_down,
             layer=self.layer,
             main_grads=main_grads,
+            fp8_cache=self.fp8_cache,
         )
         self.last_tokens_per_expert = _ops.tokens_per_expert(idx, self.num_experts)
         return out.view(x.shape).to(x.dtype)
@@ -208,7 +237,7 @@ class MoE(nn.Module):
             f"hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "
             f"num_topk={self.num_topk}, shared_intermediate={self.shared_intermediate}, "
             f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of rank "
-            f"{self.rank}/{self.num_ranks}, max_tokens={self.max_tokens}"
+            f"{self.rank}/{self.num_ranks}, max_tokens={self.max_tokens}, precision={self.precision}"
         )
 
     # -- state_dict: one entry per expert ---------------------------------------------------------

@@ -26,17 +26,25 @@ Frozen weights. When no routed (or no shared) weight requires grad, backward ret
 them and passes the set as None, so the layer launches none of its weight-gradient GEMMs
 (``pounce.supports_frozen_weight_grads``). With a build that cannot skip them they go to one scratch set per
 shape, dtype and device that every frozen layer reuses.
+
+FP8. A layer of precision fp8 takes an :class:`~pounce.torch._fp8.Fp8Cache` (``fp8_cache=``): the forward first
+runs ``pounce::quantize_fp8`` (which re-quantizes the weights into the cache only when they changed, see
+``_fp8.py``), then passes the cache's twelve tensors to ``moe_forward``, and backward passes them to
+``moe_backward`` (they are kept on ctx, not saved tensors: the quantize op of a later micro-batch's forward
+declares a mutation of them, which autograd's saved-tensor version check would take for a change). The weights
+still go in as bf16 (the layer checks them, and the CPU backend computes from them); their gradients come
+back as in BF16.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
 import pounce
 
-from . import _registry
+from . import _fp8, _registry
 
 _BF16 = torch.bfloat16
 
@@ -168,16 +176,19 @@ def moe_forward(
     ws_up: Optional[Tensor],
     ws_down: Optional[Tensor],
     layer: int,
+    fp8: Optional[List[Tensor]] = None,
 ) -> tuple[Tensor, Tensor]:
-    """out [T,H] bf16 and the ticket of this forward's context (see the module docstring)."""
+    """out [T,H] bf16 and the ticket of this forward's context (see the module docstring). ``fp8``: the
+    twelve tensors of the layer's Fp8Cache, for a layer of precision fp8."""
     slot = _registry.layer(layer).resolve(x.device)
+    routed_fp8 = _routed_fp8(slot, fp8)
     out = _like(x)
     ticket = torch.zeros((1,), dtype=torch.uint8, device=x.device)  # its address is what counts
     with _registry._device_scope(x.device):
         slot.resident = None  # a failing forward leaves no valid context behind
         pounce.forward(
             slot.workspace, _plain(x), topk_idx, _plain(topk_weights), _routed(w_gate, w_up, w_down), out,
-            _shared(ws_gate, ws_up, ws_down), _stream(x),
+            _shared(ws_gate, ws_up, ws_down), _stream(x), routed_fp8=routed_fp8,
         )
     slot.resident = ticket.data_ptr()
     slot.forwards += 1
@@ -185,35 +196,55 @@ def moe_forward(
 
 
 @moe_forward.register_fake
-def _moe_forward_fake(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, layer):
+def _moe_forward_fake(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, layer, fp8=None):
     return _like(x), x.new_empty((1,), dtype=torch.uint8)
 
 
-def _ensure_context(slot, ticket, x, topk_idx, topk_weights, routed, shared) -> None:
+def _routed_fp8(slot, fp8: Optional[List[Tensor]]):
+    """The (data, scale) pairs for pounce's ``routed_fp8=``, after checking that the layer's precision wants
+    them (the C++ layer would accept and ignore them on a bf16 layer)."""
+    is_fp8 = slot.workspace.config.precision == pounce.Precision.fp8
+    if is_fp8 and fp8 is None:
+        raise pounce.PounceError(
+            "pounce: argument 'fp8_cache' is missing but the layer's precision is fp8; pass "
+            "fp8_cache=pounce.torch.Fp8Cache(num_local_experts, intermediate, hidden, device)"
+        )
+    if not is_fp8 and fp8 is not None:
+        raise pounce.PounceError(
+            "pounce: argument 'fp8_cache' is given but the layer's precision is bf16; register the layer with "
+            "precision='fp8', or leave fp8_cache out"
+        )
+    return _fp8.pairs(fp8) if fp8 is not None else None
+
+
+def _ensure_context(slot, ticket, x, topk_idx, topk_weights, routed, shared, routed_fp8) -> None:
     if slot.resident == ticket.data_ptr():
         return
     slot.resident = None
-    pounce.recompute_forward_context(slot.workspace, x, topk_idx, topk_weights, routed, shared, _stream(x))
+    pounce.recompute_forward_context(
+        slot.workspace, x, topk_idx, topk_weights, routed, shared, _stream(x), routed_fp8=routed_fp8
+    )
     slot.resident = ticket.data_ptr()
     slot.recomputes += 1
 
 
 def _run_backward(
-    layer, ticket, d_out, x, topk_idx, topk_weights, routed, shared, d_routed, d_shared, *, accumulate: bool
+    layer, ticket, d_out, x, topk_idx, topk_weights, routed, shared, d_routed, d_shared, fp8, *, accumulate: bool
 ) -> tuple[Tensor, Tensor]:
     """pounce.backward on the layer's workspace, after rebuilding the context of the ticket's forward if
     another forward used the workspace since; the weight gradients go to (or are added into, with
     ``accumulate``) d_routed and d_shared. Returns (d_x, d_topk_weights)."""
     slot = _registry.layer(layer).resolve(x.device)
+    routed_fp8 = _routed_fp8(slot, fp8)
     x, topk_weights, d_out = _plain(x), _plain(topk_weights), _plain(d_out)
     d_x = _like(x)
     d_topk_weights = _like(topk_weights)
     with _registry._device_scope(x.device):
-        _ensure_context(slot, ticket, x, topk_idx, topk_weights, routed, shared)
+        _ensure_context(slot, ticket, x, topk_idx, topk_weights, routed, shared, routed_fp8)
         slot.resident = None
         pounce.backward(
             slot.workspace, x, topk_idx, topk_weights, routed, d_out, d_x, d_topk_weights, d_routed, shared,
-            d_shared, accumulate, _stream(x),
+            d_shared, accumulate, _stream(x), routed_fp8=routed_fp8,
         )
     return d_x, d_topk_weights
 
@@ -236,17 +267,18 @@ def moe_backward(
     routed_grads: bool = True,
     shared_grads: bool = True,
     fused_gate_up: bool = False,
+    fp8: Optional[List[Tensor]] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down); the weight
     gradients in ``weight_grad_dtype`` (bf16 or fp32). A set without gradients (no shared expert,
     ``routed_grads``/``shared_grads`` False) returns three empty tensors; with ``fused_gate_up`` the
-    routed set is (d_w_gate_up [El,2I,H], empty, d_w_down)."""
+    routed set is (d_w_gate_up [El,2I,H], empty, d_w_down). ``fp8``: as for moe_forward."""
     routed, shared = _routed(w_gate, w_up, w_down), _shared(ws_gate, ws_up, ws_down)
     d_routed = _GradSet(routed, weight_grad_dtype, wanted=routed_grads, fused=fused_gate_up)
     d_shared = _GradSet(shared, weight_grad_dtype, wanted=shared_grads, fused=False) if shared else None
     d_x, d_topk_weights = _run_backward(
         layer, ticket, d_out, x, topk_idx, topk_weights, routed, shared, d_routed.written,
-        d_shared.written if d_shared else None, accumulate=False,
+        d_shared.written if d_shared else None, fp8, accumulate=False,
     )
     return (d_x, d_topk_weights) + d_routed.finish() + (d_shared.finish() if d_shared else _empty_grads(d_x))
 
@@ -254,7 +286,7 @@ def moe_backward(
 @moe_backward.register_fake
 def _moe_backward_fake(
     d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, ticket, layer,
-    weight_grad_dtype, routed_grads=True, shared_grads=True, fused_gate_up=False,
+    weight_grad_dtype, routed_grads=True, shared_grads=True, fused_gate_up=False, fp8=None,
 ):
     shared = _shared(ws_gate, ws_up, ws_down)
     d_routed = _fake_grad_set((w_gate, w_up, w_down), weight_grad_dtype, wanted=routed_grads, fused=fused_gate_up)
@@ -285,10 +317,11 @@ def moe_backward_accumulate(
     main_ws_gate: Optional[Tensor],
     main_ws_up: Optional[Tensor],
     main_ws_down: Optional[Tensor],
+    fp8: Optional[List[Tensor]] = None,
 ) -> tuple[Tensor, Tensor]:
     """(d_x, d_topk_weights); the weight gradients are added into the fp32 ``main_*`` tensors
     (Megatron-style main_grad) instead of being returned. ``main_w_up`` None: ``main_w_gate`` is the
-    main_grad of a fused [El,2I,H] gate_up weight."""
+    main_grad of a fused [El,2I,H] gate_up weight. ``fp8``: as for moe_forward."""
     routed = _routed(w_gate, w_up, w_down)
     if main_w_up is not None:
         targets, halves = (main_w_gate, main_w_up, main_w_down), None
@@ -302,7 +335,7 @@ def moe_backward_accumulate(
             targets = (halves[0].contiguous(), halves[1].contiguous(), main_w_down)
     result = _run_backward(
         layer, ticket, d_out, x, topk_idx, topk_weights, routed, _shared(ws_gate, ws_up, ws_down), targets,
-        _shared(main_ws_gate, main_ws_up, main_ws_down), accumulate=True,
+        _shared(main_ws_gate, main_ws_up, main_ws_down), fp8, accumulate=True,
     )
     if halves is not None:
         halves[0].copy_(targets[0])
@@ -374,21 +407,32 @@ class MoEFunction(torch.autograd.Function):
     copies and the gradients come back in the weights' own dtype, accumulated in fp32 and rounded
     once. With ``main_grads`` (six fp32 tensors, or three routed + three None) the weight gradients
     are added into them and the weights get no ``.grad``. With ``fused_gate_up`` the w_gate slot holds
-    one [El,2I,H] tensor (gate rows then up rows) and w_up is None."""
+    one [El,2I,H] tensor (gate rows then up rows) and w_up is None. ``fp8_cache``: the Fp8Cache of a layer
+    of precision fp8 (quantized from the weights as given, masters included, when they changed)."""
 
     @staticmethod
     def forward(
         ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, layer, main_grads,
-        fused_gate_up,
+        fused_gate_up, fp8_cache=None,
     ):
+        fp8 = None
+        if fp8_cache is not None:
+            fp8 = list(fp8_cache.tensors)
+            if fused_gate_up:
+                intermediate = w_gate.shape[1] // 2
+                sources = (w_gate[:, :intermediate], w_gate[:, intermediate:], w_down)
+            else:
+                sources = (w_gate, w_up, w_down)
+            torch.ops.pounce.quantize_fp8(*sources, fp8, fp8_cache.handle)
         if fused_gate_up:
             wg, wu = split_gate_up(_as_bf16(w_gate))
         else:
             wg, wu = _as_bf16(w_gate), _as_bf16(w_up)
         wd = _as_bf16(w_down)
         sg, su, sd = _as_bf16(ws_gate), _as_bf16(ws_up), _as_bf16(ws_down)
-        out, ticket = torch.ops.pounce.moe_forward(x, topk_idx, topk_weights, wg, wu, wd, sg, su, sd, layer)
+        out, ticket = torch.ops.pounce.moe_forward(x, topk_idx, topk_weights, wg, wu, wd, sg, su, sd, layer, fp8)
         ctx.save_for_backward(x, topk_idx, topk_weights, wg, wu, wd, sg, su, sd, ticket)
+        ctx.fp8 = fp8
         ctx.layer = layer
         ctx.weight_grad_dtype = w_gate.dtype
         ctx.has_shared = ws_gate is not None
@@ -408,12 +452,12 @@ class MoEFunction(torch.autograd.Function):
             if ctx.fused_gate_up:
                 main[1] = None
             d_x, d_topk_weights = torch.ops.pounce.moe_backward_accumulate(
-                d_out, x, topk_idx, topk_weights, wg, wu, wd, sg, su, sd, ticket, ctx.layer, *main
+                d_out, x, topk_idx, topk_weights, wg, wu, wd, sg, su, sd, ticket, ctx.layer, *main, ctx.fp8
             )
-            return d_x, None, d_topk_weights, None, None, None, None, None, None, None, None, None
+            return d_x, None, d_topk_weights, None, None, None, None, None, None, None, None, None, None
         grads = torch.ops.pounce.moe_backward(
             d_out, x, topk_idx, topk_weights, wg, wu, wd, sg, su, sd, ticket, ctx.layer, ctx.weight_grad_dtype,
-            ctx.routed_grads, ctx.shared_grads, ctx.fused_gate_up,
+            ctx.routed_grads, ctx.shared_grads, ctx.fused_gate_up, ctx.fp8,
         )
         d_x, d_topk_weights = grads[:2]
         weight_grads = list(grads[2:])
@@ -426,7 +470,7 @@ class MoEFunction(torch.autograd.Function):
         for i in range(6):  # a weight of a set with gradients that itself is frozen
             if not ctx.needs_input_grad[3 + i]:
                 weight_grads[i] = None
-        return (d_x, None, d_topk_weights, *weight_grads, None, None, None)
+        return (d_x, None, d_topk_weights, *weight_grads, None, None, None, None)
 
 
 def moe(
@@ -443,6 +487,7 @@ def moe(
     layer: int,
     main_grads: Optional[tuple] = None,
     w_gate_up: Optional[Tensor] = None,
+    fp8_cache: Optional[_fp8.Fp8Cache] = None,
 ) -> Tensor:
     """The MoE layer after the router, differentiable in x, topk_weights and every weight.
 
@@ -453,6 +498,12 @@ def moe(
     ``layer`` from :func:`pounce.torch.register_layer`. Every tensor must be contiguous: wrong inputs
     raise :class:`pounce.PounceError` naming the argument, and integer, bool or complex tensors where
     floats belong raise ``TypeError``. Returns out [T,H] bf16.
+
+    A layer of precision fp8 (``register_layer(..., precision="fp8")``) takes ``fp8_cache``, a
+    :class:`pounce.torch.Fp8Cache` of the routed weights' shape on their device, one per layer and set of
+    weights, created outside compiled code: the weights are quantized into it when they changed (their
+    ``_version``, storage or layout), so once per optimizer step. fp32 masters and the row-strided halves of
+    ``w_gate_up`` are quantized from a dense bf16 copy (``pounce.quantize_weights_fp8`` reads dense bf16).
     """
     fused = w_gate_up is not None
     if fused:
@@ -464,8 +515,12 @@ def moe(
     if w_down is None:
         raise pounce.PounceError("pounce: argument 'w_down' is missing")
     _check_inputs(x, topk_idx, topk_weights, (w_gate, w_up, w_down, ws_gate, ws_up, ws_down))
+    if fp8_cache is not None:
+        _fp8.check_cache(fp8_cache, w_gate.shape[1], w_down, fused)
+        check_devices(x, dict(fp8_cache=fp8_cache.tensors[0]))
     return MoEFunction.apply(
-        x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, layer, main_grads, fused
+        x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, layer, main_grads, fused,
+        fp8_cache,
     )
 
 

@@ -53,6 +53,18 @@ def copy_config(config: pounce.Config) -> pounce.Config:
     return pounce.Config(**{name: getattr(config, name) for name in _CONFIG_FIELDS})
 
 
+_PRECISIONS = {"bf16": pounce.Precision.bf16, "fp8": pounce.Precision.fp8}
+
+
+def parse_precision(value) -> pounce.Precision:
+    """'bf16' | 'fp8' (or a pounce.Precision) -> pounce.Precision; anything else a PounceError (a ValueError)."""
+    if isinstance(value, pounce.Precision):
+        return value
+    if isinstance(value, str) and value in _PRECISIONS:
+        return _PRECISIONS[value]
+    raise pounce.PounceError(f"pounce: argument 'precision' = {value!r} is unknown; pass 'bf16' or 'fp8'")
+
+
 class Slot:
     """One pounce.Workspace and the ticket (data_ptr) of the forward whose context it holds."""
 
@@ -113,6 +125,7 @@ def register_layer(
     config: pounce.Config | None = None,
     group=None,
     share_workspace: bool | None = None,
+    precision=None,
 ) -> int:
     """A layer handle for :func:`pounce.torch.moe`. Checks the shape now; allocates on first use.
 
@@ -121,9 +134,13 @@ def register_layer(
     ``share_workspace``: False gives the layer a workspace of its own (no recompute before backward, at
     the memory of a whole workspace), True shares one per (group, shape, config) (backward recomputes
     the forward when another layer ran in between: activation checkpointing), None (default) is private
-    within the budget of :func:`set_workspace_budget`, shared past it.
+    within the budget of :func:`set_workspace_budget`, shared past it. ``precision``: 'bf16' or 'fp8'
+    (overrides ``config.precision``; None keeps it); an fp8 layer takes ``fp8_cache=`` in :func:`moe`.
     """
     config = config if config is not None else pounce.Config()
+    if precision is not None:
+        config = copy_config(config)
+        config.precision = parse_precision(precision)
     layer_ = Layer(
         hidden, intermediate, num_experts, num_topk, max_tokens, shared_intermediate, config, group, share_workspace
     )
