@@ -13,6 +13,11 @@ the records have the floor); then the GPU, commit and date the records come from
 (--peers-results) hold peer records (`pounce bench --peers`: Liger's fused MoE, transformers' grouped_mm
 experts, the compute-only floor) at the same tokens per rank, a second table puts Pounce and each peer side by
 side on one GPU, with the ratios; a peer that cannot run a shape reads "cannot" (docs/benchmarks.md says why).
+When the FP8 results (--fp8-results: `pounce bench --precision fp8` on one GPU) exist, a third table puts each
+preset and pass's FP8 record beside the BF16 `fused` record measured just before it in the same run: both times,
+the FP8 record's speed-up over BF16 (speedup_vs_bf16) and TFLOP/s, and the SM clock and power of each (the two
+runs can hold different clocks), then the command the records were measured with. FP8 runs the staged kernels
+(kernel_path; records older than that field ran them too): the fused FP8 kernels are not built yet.
 Standard library only.
 """
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "ep2_bf16.json"
 PEER_RESULTS = ROOT / "bench" / "results" / "ep1_bf16.json"
+FP8_RESULTS = ROOT / "bench" / "results" / "ep1_fp8.json"
 PEERS = {"baseline": "PyTorch", "liger": "Liger", "transformers": "transformers", "floor": "floor"}
 BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
@@ -93,9 +99,65 @@ def peer_table(records: list, source: str) -> list:
     return lines + ["", *textwrap.wrap(caption, 110, break_long_words=False, break_on_hyphens=False)]
 
 
-def block(records: list, source: str, peer_records: list = (), peer_source: str = "") -> str:
-    """The marker block for `records` (a results file's list), naming `source`, and the side-by-side table of
-    `peer_records` (EP1) when they hold peers."""
+def fp8_table(records: list, source: str) -> list:
+    """Lines of the FP8 table from `records` (EP1, `pounce bench --precision fp8`): each FP8 record beside the
+    BF16 record of the same impl measured in the same run, or none when there is no such pair."""
+    def at(r, precision):
+        return (r.get("ranks") == 1 and r.get("tokens_per_rank") == TOKENS and r.get("pass") in PASSES
+                and r.get("impl") == IMPL and r.get("precision", "bf16") == precision
+                and isinstance(r.get("median_ms"), (int, float)))
+
+    bf16 = {(r["preset"], r["pass"]): r for r in records if at(r, "bf16")}
+    pairs = sorted(((r, bf16[(r["preset"], r["pass"])]) for r in records
+                    if at(r, "fp8") and (r["preset"], r["pass"]) in bf16),
+                   key=lambda p: (PRESET_ORDER.index(p[0]["preset"]) if p[0]["preset"] in PRESET_ORDER
+                                  else len(PRESET_ORDER), p[0]["preset"], list(PASSES).index(p[0]["pass"])))
+    if not pairs:
+        return []
+
+    def telemetry(r):
+        return f"{number(r.get('sm_clock_mhz'), '{:.0f}')}, {number(r.get('power_w'), '{:.0f}')}"
+
+    lines = ["", f"FP8 on one GPU (EP1, {TOKENS} tokens), beside the BF16 layer measured just before it in the same "
+                 f"run (from {source}):", "",
+             "| preset | pass | BF16 fused ms | FP8 ms | FP8 vs BF16 | FP8 TFLOP/s | BF16 MHz, W | FP8 MHz, W |",
+             "|---|---|---|---|---|---|---|---|"]
+    for fp8, ref in pairs:
+        lines.append(f"| {fp8['preset']} | {PASSES[fp8['pass']]} | {milliseconds(ref['median_ms'])} | "
+                     f"{milliseconds(fp8['median_ms'])} | {number(fp8.get('speedup_vs_bf16'), '{:.2f}x')} | "
+                     f"{number(fp8.get('tflops'), '{:.0f}')} | {telemetry(ref)} | {telemetry(fp8)} |")
+    rows = [r for pair in pairs for r in pair]
+    # Records written before kernel_path existed (commit d025d34) ran FP8 on the stage kernels as well.
+    paths = sorted({str(fp8.get("kernel_path", "staged")) for fp8, _ in pairs})
+    kernels = ("FP8 ms is the staged FP8 kernels: the fused FP8 kernels are not built yet." if paths == ["staged"]
+               else f"FP8 ms is the {' / '.join(paths)} FP8 kernels.")
+    clocked = [(fp8, ref) for fp8, ref in pairs
+               if all(isinstance(r.get(k), (int, float)) for r in (fp8, ref) for k in ("sm_clock_mhz", "power_w"))]
+    clocks = ""
+    if clocked:
+        fp8, ref = max(clocked, key=lambda p: abs(p[0]["sm_clock_mhz"] - p[1]["sm_clock_mhz"]))
+        slow, fast = sorted((ref, fp8), key=lambda r: r["sm_clock_mhz"])
+        if fast["sm_clock_mhz"] - slow["sm_clock_mhz"] >= 0.05 * fast["sm_clock_mhz"]:
+            throttled = slow["power_w"] >= 0.95 * fast["power_w"]  # as much power at a lower clock: the power limit
+            clocks = (f"; {fp8['preset']}'s {slow['precision'].upper()} run ran "
+                      f"{'power-throttled ' if throttled else ''}at {slow['sm_clock_mhz']:.0f} MHz")
+    gpus = " / ".join(sorted({str(r.get("gpu", "?")) for r in rows}))
+    commits = ", ".join(sorted({str(r.get("commit", "?")) for r in rows}))
+    dates = ", ".join(sorted({str(r.get("date", ""))[:10] for r in rows}))
+    caption = (f"1 x {gpus}, {TOKENS} tokens, the same inputs for both; median of "
+               f"{span(r['iters'] for r in rows if 'iters' in r)} timed runs. {kernels} FP8: routed experts in "
+               f"block-scaled E4M3 (docs/design.md §1), weights quantized once, untimed. MHz, W: SM clock and power "
+               f"during each precision's timed runs{clocks}. Commit {commits}, {dates}.")
+    commands = sorted({str(r["command"]) for r in rows if r.get("command")})
+    return lines + ["", *textwrap.wrap(caption, 110, break_long_words=False, break_on_hyphens=False),
+                    *(f"Measured with `{c}`." for c in commands)]
+
+
+def block(records: list, source: str, peer_records: list = (), peer_source: str = "", fp8_records: list = (),
+          fp8_source: str = "") -> str:
+    """The marker block for `records` (a results file's list), naming `source`, the side-by-side table of
+    `peer_records` (EP1) when they hold peers, and the FP8 table of `fp8_records` (EP1) when they hold FP8
+    records."""
     rows = [r for r in records
             if r.get("impl") == IMPL and r.get("pass") in PASSES and r.get("ranks") == RANKS
             and r.get("tokens_per_rank") == TOKENS and r.get("precision", "bf16") == PRECISION
@@ -126,6 +188,7 @@ def block(records: list, source: str, peer_records: list = (), peer_source: str 
                f"{commits}, {dates}. Regenerate: `{COMMAND}`.")
     lines += ["", *textwrap.wrap(caption, 110, break_long_words=False, break_on_hyphens=False)]
     lines += peer_table(list(peer_records), peer_source)
+    lines += fp8_table(list(fp8_records), fp8_source)
     return "\n".join(lines + [END])
 
 
@@ -141,6 +204,9 @@ def main(argv=None) -> int:
     p.add_argument("--results", type=Path, default=RESULTS, help="results file (default: %(default)s)")
     p.add_argument("--peers-results", type=Path, default=PEER_RESULTS,
                    help="EP1 results file whose peer records make the side-by-side table (default: %(default)s)")
+    p.add_argument("--fp8-results", type=Path, default=FP8_RESULTS,
+                   help="EP1 results file of `pounce bench --precision fp8` whose records make the FP8 table, "
+                        "when it exists (default: %(default)s)")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--write", metavar="README", type=Path, help="replace the README's block")
     what.add_argument("--check", metavar="README", type=Path, help="exit 1 when the README's block differs")
@@ -151,12 +217,19 @@ def main(argv=None) -> int:
         raise SystemExit(f"{args.results}: expected a JSON list of records")
     results = args.results.resolve()
     source = str(results.relative_to(ROOT)) if results.is_relative_to(ROOT) else str(args.results)
-    peer_records, peer_source = [], ""
-    if args.peers_results.exists():
-        peer_records = json.loads(args.peers_results.read_text())
-        resolved = args.peers_results.resolve()
-        peer_source = str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(args.peers_results)
-    new_block = block(records, source, peer_records if isinstance(peer_records, list) else [], peer_source)
+
+    def optional(path: Path):
+        """The records of `path` and the name to show for it, or none when it does not exist."""
+        if not path.exists():
+            return [], ""
+        loaded = json.loads(path.read_text())
+        resolved = path.resolve()
+        return (loaded if isinstance(loaded, list) else [],
+                str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(path))
+
+    peer_records, peer_source = optional(args.peers_results)
+    fp8_records, fp8_source = optional(args.fp8_results)
+    new_block = block(records, source, peer_records, peer_source, fp8_records, fp8_source)
     if args.write is None and args.check is None:
         print(new_block)
         return 0
