@@ -90,6 +90,12 @@ std::vector<ValidationRow> validate_records(const json& records) {
         if (row.pass == "forward_backward") row.binding += std::string(" / ") + to_string(b.binding);
         row.error = (row.predicted_ms - row.measured_ms) / row.measured_ms;
         row.modelled = true;
+        // FP8 on GPUs runs the staged FP8 kernels, whose quantization passes and token-axis copies the model
+        // does not count: it models FP8 GEMMs inside the fused kernels (not built). Listed, not validated.
+        if (row.precision == "fp8") {
+          row.modelled = false;
+          row.reason = "FP8 (the staged FP8 kernels: the model's FP8 is the fused kernels, not built yet)";
+        }
       } catch (const Error& error) {
         row.reason = error.what();
       }

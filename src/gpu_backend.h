@@ -38,8 +38,11 @@ void recompute_forward_context(GpuWorkspace& workspace, const ForwardArgs& args,
 // schedule rows than the worst case) in a host-mapped record instead of trapping. This reads it without
 // synchronising: when set, it clears it and throws pounce::Error describing the first failure. Call it
 // after synchronising a stream to check that work; forward/backward call it on entry, so a failure of
-// earlier work surfaces at the next call at the latest.
+// earlier work surfaces at the next call at the latest. pounce::check_errors is its public face.
 void check_device_errors(GpuWorkspace& workspace);
+// Waits for `stream`'s work on the workspace's device (pounce::check_errors(..., synchronize = true));
+// throws pounce::Error when `stream` is being captured into a CUDA graph.
+void synchronize(GpuWorkspace& workspace, void* stream);
 
 // Device pointers into the forward context, for tests and debugging (read after synchronising).
 struct ForwardContextView {
@@ -60,7 +63,5 @@ struct ForwardContextView {
 ForwardContextView forward_context(const GpuWorkspace& workspace);
 // Switches the forward path of an existing workspace (tests compare fused and staged on one workspace).
 void set_kernel_path(GpuWorkspace& workspace, KernelPath path);
-// Throws pounce::Error when a kernel of this workspace recorded a timed-out wait or bad routing.
-void check_device_errors(GpuWorkspace& workspace);
 
 }  // namespace pounce::gpu

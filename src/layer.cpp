@@ -54,4 +54,11 @@ void backward(Workspace& workspace, const BackwardArgs& args, void* stream) {
   gpu::backward(*state.gpu, args, stream);
 }
 
+void check_errors(Workspace& workspace, void* stream, bool synchronize) {
+  if (workspace.group().backend() == Backend::kCpu) return;  // CPU calls throw their errors themselves
+  gpu::GpuWorkspace& gpu_workspace = *workspace.state().gpu;
+  if (synchronize) gpu::synchronize(gpu_workspace, stream);
+  gpu::check_device_errors(gpu_workspace);
+}
+
 }  // namespace pounce

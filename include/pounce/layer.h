@@ -58,4 +58,20 @@ void backward(Workspace& workspace, const BackwardArgs& args, void* stream = nul
 // (activation checkpointing: run forward, drop the workspace for other layers, recompute, backward).
 void recompute_forward_context(Workspace& workspace, const ForwardArgs& args, void* stream = nullptr);
 
+// Raises the device-side failure that earlier calls on this workspace recorded (a bounded wait on a peer
+// timed out, a topk_idx value out of range, a schedule or macrobatch overflow) as pounce::Error naming the
+// wait or the argument with its counters, and clears the record. The failing call's outputs are not to be
+// used (docs/reliability.md says what each failure leaves in them). GPU kernels record a failure instead of
+// trapping, so the call that launched them cannot throw it; every call checks on entry, so it surfaces at
+// the next call on the workspace at the latest, and this check lets a step end on it instead.
+//   synchronize = false (the default): one read of host-mapped memory, no CUDA call, nothing waited for
+//     (cheap enough for every step; legal while `stream` is being captured into a CUDA graph). It sees the
+//     failures of calls whose kernels have ended: a call just launched may still be running, and its
+//     failure then shows at a later check.
+//   synchronize = true: first waits for `stream`'s work (a host sync), so every call on it so far is
+//     checked; run it after a CUDA graph's replay. Refused while `stream` is being captured.
+// On the CPU backend each call throws its errors itself (nothing is deferred): this returns at once.
+// Not collective: each rank checks its own workspace.
+void check_errors(Workspace& workspace, void* stream = nullptr, bool synchronize = false);
+
 }  // namespace pounce

@@ -507,6 +507,25 @@ void bind_layer(nb::module_& m) {
       "bf16/fp32).");
 
   m.def(
+      "check_errors",
+      [](Workspace& workspace, uintptr_t stream, bool synchronize) {
+        if (!synchronize) {
+          check_errors(workspace, stream_pointer(stream), false);  // one host read: keeps the GIL
+          return;
+        }
+        nb::gil_scoped_release release;
+        check_errors(workspace, stream_pointer(stream), true);
+      },
+      "workspace"_a, "stream"_a = 0, "synchronize"_a = false,
+      "Raises PounceError for the device-side failure (timed-out wait, topk_idx out of range, overflow)\n"
+      "that earlier calls on this workspace recorded, naming the wait or argument with its counters, and\n"
+      "clears it. Without synchronize: one read of host-mapped memory, so it sees the calls whose kernels\n"
+      "have ended (a call just launched shows at a later check); cheap enough for every step, and legal\n"
+      "during CUDA-graph capture. synchronize=True first waits for `stream` (a cudaStream_t as an int,\n"
+      "0 = default stream), so every call on it is checked: run it after a graph's replay. On the CPU\n"
+      "backend calls raise their errors themselves and this returns at once.");
+
+  m.def(
       "quantize_weights_fp8",
       [](nb::handle routed, nb::handle out, uintptr_t stream) {
         TensorArgs tensors;

@@ -529,6 +529,19 @@ void check_device_errors(GpuWorkspace& workspace) {
   throw Error(out.str());
 }
 
+void synchronize(GpuWorkspace& workspace, void* stream) {
+  DeviceGuard guard(workspace.device);
+  const auto cuda_stream = static_cast<cudaStream_t>(stream);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  POUNCE_CUDA(cudaStreamIsCapturing(cuda_stream, &capture));
+  POUNCE_CHECK(
+      capture == cudaStreamCaptureStatusNone,
+      "check_errors(synchronize = true) on a stream that is capturing a CUDA graph (nothing captured "
+      "has run yet); pass synchronize = false there, and check with synchronize = true after the "
+      "graph's replay");
+  POUNCE_CUDA(cudaStreamSynchronize(cuda_stream));
+}
+
 ForwardContextView forward_context(const GpuWorkspace& workspace) {
   const kernels::layout::WorkspacePointers p = workspace.pointers();
   ForwardContextView view;

@@ -54,7 +54,7 @@ kernels::Fp8Matrices fp8_experts(const Fp8Tensor& weights, int64_t first_expert)
           static_cast<const float*>(weights.scale.data) + first_expert * blocks_of(n) * blocks_of(k)};
 }
 
-void check_fp8_forward_args(const GpuWorkspace& workspace, const ForwardArgs& args) {
+void check_fp8_forward_args(const ForwardArgs& args) {
   POUNCE_CHECK(args.routed_fp8 != nullptr,
                "argument 'routed_fp8' is missing but config.precision is fp8; quantize the weights with "
                "pounce::quantize_weights_fp8 and pass them");
@@ -69,7 +69,6 @@ void check_fp8_forward_args(const GpuWorkspace& workspace, const ForwardArgs& ar
     POUNCE_CHECK(t->data.is_dense() && t->scale.is_dense(), "argument 'routed_fp8.", name,
                  "' must be dense (the layout pounce::quantize_weights_fp8 writes)");
   }
-  (void)workspace;
 }
 
 void launch_fp8_stage_x(GpuWorkspace& workspace, const void* x, int64_t num_tokens, cudaStream_t stream) {

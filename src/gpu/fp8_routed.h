@@ -22,8 +22,8 @@ namespace pounce::gpu {
 // Local experts [first_expert, ...) of a quantized weight tensor, as the FP8 GEMMs take them.
 kernels::Fp8Matrices fp8_experts(const Fp8Tensor& weights, int64_t first_expert = 0);
 
-// Throws, naming the argument, unless the workspace's shape and the quantized weights suit the FP8 GEMMs.
-void check_fp8_forward_args(const GpuWorkspace& workspace, const ForwardArgs& args);
+// Throws, naming the argument, unless the quantized weights are there and laid out as the FP8 GEMMs read them.
+void check_fp8_forward_args(const ForwardArgs& args);
 
 // x_q = q1x128_H(x) into the symmetric buffer (rows up to round_up(T, 128); zeros past T).
 void launch_fp8_stage_x(GpuWorkspace& workspace, const void* x, int64_t num_tokens, cudaStream_t stream);

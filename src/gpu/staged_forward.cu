@@ -84,7 +84,7 @@ ForwardLaunch check_forward_args(GpuWorkspace& workspace, const ForwardArgs& arg
   // Checked before the first kernel is queued: a launcher refusing later would leave peers at a barrier.
   check_weights_aligned(args.routed, "routed");
   check_weights_aligned(args.shared, "shared");
-  if (workspace.config.precision == Precision::kFP8) check_fp8_forward_args(workspace, args);
+  if (workspace.config.precision == Precision::kFP8) check_fp8_forward_args(args);
   launch.activation = activation_params(workspace.config.activation);
   launch.idx_int64 = args.topk_idx.dtype == DType::kInt64;
   return launch;

@@ -46,6 +46,7 @@ void recompute_forward_context(GpuWorkspace&, const ForwardArgs&, void*) {
   no_cuda("recompute_forward_context");
 }
 void check_device_errors(GpuWorkspace&) {}
+void synchronize(GpuWorkspace&, void*) {}
 void set_kernel_path(GpuWorkspace&, KernelPath) {}
 
 }  // namespace pounce::gpu

@@ -301,6 +301,29 @@ TEST(Api, BackwardBeforeForwardIsRejected) {
   for (uint16_t bits : data.d_x) ASSERT_EQ(bits, kPoisonBf16);
 }
 
+// The CPU backend defers nothing: a failing call has already thrown, so check_errors (with or without
+// synchronize, on any stream) finds nothing and is not collective (one rank alone may call it).
+TEST(Api, CheckErrorsOnTheCpuBackendReturns) {
+  const Shape shape = small_shape(2);
+  auto groups = Group::create_cpu(2);
+  auto errors = on_every_rank(2, [&](int r) {
+    Workspace workspace(groups[r], shape, Config{});
+    if (r == 0) {
+      check_errors(workspace);
+      check_errors(workspace, nullptr, /*synchronize=*/true);
+    }
+  });
+  for (const auto& error : errors) ASSERT_EQ(error, "");
+  const Shape one = small_shape(1);
+  RankData data(one, 8, 0, 1);
+  auto group = Group::create_cpu(1);
+  Workspace workspace(group[0], one, Config{});
+  EXPECT_THROW(backward(workspace, data.backward_args(one)), Error);  // reported by the call itself
+  check_errors(workspace, nullptr, /*synchronize=*/true);
+  forward(workspace, data.forward_args(one));
+  check_errors(workspace);
+}
+
 TEST(Api, PeerThatNeverArrivesTimesOut) {
   setenv("POUNCE_PEER_TIMEOUT_S", "0.5", 1);
   auto groups = Group::create_cpu(2);

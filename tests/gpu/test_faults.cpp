@@ -1,11 +1,12 @@
 // Fault and error paths (docs/design.md §6): each ends in an error the caller can read, never a hang, a trap,
 // a segfault or a write out of bounds, and the next call is clean. An out-of-range expert id (forward:
-// reported, nothing written; backward: skipped like a -1 slot, as the CPU reference is told); a peer that
-// never calls forward (rank 0's barrier wait times out with a record naming the barrier and the peer); a
-// token sending more rows than the smallest macrobatch ring holds (reported, slots poisoned, nothing routed
-// computed); a ring below one expert's rows (rejected when the workspace is created); backward without a
-// matching forward (rejected, as on the CPU backend). Results that are computed are checked against the CPU
-// reference through forward_harness.h and backward_harness.h.
+// reported, nothing written, raised by pounce::check_errors right after the call; backward: skipped like a
+// -1 slot, as the CPU reference is told); a peer that never calls forward (rank 0's barrier wait times out
+// with a record naming the barrier and the peer); a token sending more rows than the smallest macrobatch
+// ring holds (reported, slots poisoned, nothing routed computed); a ring below one expert's rows (rejected
+// when the workspace is created); backward without a matching forward (rejected, as on the CPU backend).
+// Results that are computed are checked against the CPU reference through forward_harness.h and
+// backward_harness.h.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -15,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,6 +44,56 @@ TEST(Faults, ForwardOutOfRangeExpertIdIsReportedNotWritten) {
       << results[0][0].error;
   // The error was reported and cleared: the next call with valid routing succeeds.
   check_forward_call(m, good, data[1], results[1], "after the bad call");
+}
+
+// pounce::check_errors with synchronize raises the bad id right after the failing call, not at the next
+// call, and clears it: a second check finds nothing, and the next valid call runs clean and writes out.
+TEST(Faults, CheckErrorsRaisesRightAfterTheFailingCall) {
+  SKIP_UNLESS_GPUS(1);
+  const Model m = make_model(make_shape(64, 128, 64, 4, 2, 0, 1), Activation::swiglu(), 19);
+  Call bad = random_routing({64}, 33);
+  bad.bad_id = 1000;
+  const RankData bad_data = make_rank_data(m.shape, bad, 0);
+  const RankData good_data = make_rank_data(m.shape, random_routing({64}, 34), 0);
+  std::string after_bad, checked_again, after_good;
+  int64_t written = 0;
+  run_ranks(1, [&](const Group& group, int rank) {
+    Workspace workspace(group, m.shape, Config{});
+    DeviceWeights weights(m, rank, rank);
+    DeviceInputs in(m.shape);
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto error_of = [](const std::function<void()>& body) -> std::string {
+      try {
+        body();
+      } catch (const Error& error) {
+        return error.what();
+      }
+      return "";
+    };
+    auto forward_then_check = [&](const RankData& d) {
+      in.upload(m.shape, d, false, stream);
+      in.out.poison(stream);
+      ForwardArgs args = in.args(m.shape, 64, false, rank);
+      args.routed = weights.routed;
+      return error_of([&] {
+        forward(workspace, args, stream);
+        check_errors(workspace, stream, /*synchronize=*/true);
+      });
+    };
+    after_bad = forward_then_check(bad_data);
+    checked_again = error_of([&] { check_errors(workspace, stream, /*synchronize=*/true); });
+    after_good = forward_then_check(good_data);
+    const std::vector<uint16_t> out = download<uint16_t>(in.out.ptr, 64 * m.shape.hidden);
+    written = count_unpoisoned(out.data(), out.data() + out.size());
+    CUDA_OK(cudaStreamDestroy(stream));
+  });
+  EXPECT_NE(after_bad.find("topk_idx value out of range"), std::string::npos)
+      << "check_errors right after the bad call must raise it; got '" << after_bad << "'";
+  EXPECT_NE(after_bad.find("= 1000"), std::string::npos) << after_bad;
+  EXPECT_EQ(checked_again, "") << "the record must be cleared once raised";
+  EXPECT_EQ(after_good, "") << "the valid call after the bad one must run clean";
+  EXPECT_EQ(written, 64 * m.shape.hidden) << "the valid call must write every element of out";
 }
 
 // The forward reports the bad id and skips that slot; backward then runs like the reference with -1 there,

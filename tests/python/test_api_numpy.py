@@ -212,6 +212,21 @@ def test_recompute_forward_context_restores_another_forward():
         assert np.array_equal(x, y)
 
 
+def test_check_errors_is_a_no_op_on_the_cpu_backend():
+    """The CPU backend defers nothing: a failing call raised already, and the check finds nothing."""
+    p = Problem(hidden=64, intermediate=64, num_experts=8, num_topk=2)
+    (a,) = make_ranks(p, [20], seed=3)
+    workspace = pounce.Workspace(pounce.Group.create_cpu(1)[0], shape_of(p, 32), config_of(p))
+    rank = NumpyRank(a)
+    with pytest.raises(pounce.PounceError, match="run forward first"):
+        rank.backward(workspace)
+    assert pounce.check_errors(workspace) is None
+    rank.forward(workspace)
+    pounce.check_errors(workspace, 0, True)
+    pounce.check_errors(workspace, stream=0, synchronize=True)
+    rank.backward(workspace)
+
+
 # ------------------------------------------------------------------------------------------------
 # Types, sizes, errors
 # ------------------------------------------------------------------------------------------------

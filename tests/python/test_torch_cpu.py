@@ -163,6 +163,42 @@ def test_compile_fullgraph_matches_eager(backend):
         assert torch.equal(a, b)
 
 
+def test_layer_checks_device_errors_unless_turned_off(monkeypatch):
+    """The layer runs pounce.check_errors (no sync) on its workspace before forward and after backward and
+    raises a recorded failure naming the layer; check_errors=False never calls it; pt.check_errors checks
+    on demand (with synchronize, as after a graph's replay)."""
+    inputs, routed, _ = make_inputs([21], seed=12)
+    x, idx, weights, d_out = inputs[0]
+    calls, failure = [], []
+
+    def check(workspace, stream=0, synchronize=False):
+        calls.append((workspace, stream, synchronize))
+        if failure:
+            raise pounce.PounceError("pounce: topk_idx value out of range: rank 0 found topk_idx[0, 1] = 1000")
+
+    monkeypatch.setattr(pounce, "check_errors", check)
+
+    def step(module):
+        out = module(x, idx, weights)
+        (out.float() * d_out.float()).sum().backward()
+
+    quiet = pt.MoE(H, I, E, K, max_tokens=32, check_errors=False)
+    step(quiet)
+    assert calls == []
+    checked = pt.MoE(H, I, E, K, max_tokens=32)
+    step(checked)
+    assert [synchronize for _, _, synchronize in calls] == [False, False]  # before forward, after backward
+    assert all(workspace is calls[0][0] for workspace, _, _ in calls)
+    out = checked(x, idx, weights)
+    failure.append(True)
+    with pytest.raises(pounce.PounceError, match=rf"layer {checked.layer} .*after its backward.*out of range"):
+        (out.float() * d_out.float()).sum().backward()
+    failure.clear()
+    calls.clear()
+    pt.check_errors(checked, synchronize=True)
+    assert [(stream, synchronize) for _, stream, synchronize in calls] == [(0, True)]
+
+
 def test_layers_sharing_a_workspace_recompute_the_context():
     """Two layers in a row share one workspace: backward of the first runs after the second's forward
     replaced the context, so it is recomputed; results equal those of separate workspaces bitwise."""

@@ -502,3 +502,34 @@ def test_fp8_cuda_graph_replay_requantizes_the_updated_weights(world):
         agree(lambda n=n, pairs=pairs: [
             require(torch.equal(a, b), f"update {n}: tensor {i} differs from eager") for i, (a, b) in enumerate(pairs)
         ])
+
+
+def test_ep_fsdp2_matches_reference(world):
+    """EP over mesh["ep"] (NCCL, across processes) composed with FSDP2 over mesh["dp"], the experts in fp32
+    masters computed in bf16 and reduced in fp32: one step against the reference of all experts. Each rank's
+    backward sums its EP group's tokens; FSDP2 sums over dp and divides by every rank (the factor the docs
+    advise), so the gathered gradients are the reference's sum over all ranks / R."""
+    rank, R, _ = world
+    if R < 2:
+        pytest.skip("EP x FSDP2 needs torchrun with two processes or more")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.4) is not available")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ep = 2 if R % 2 == 0 else 1
+    mesh = init_device_mesh("cuda", (R // ep, ep), mesh_dim_names=("dp", "ep"))
+    inputs, routed, _ = make_inputs(R, [(130 + 37 * r) % MAX_TOKENS for r in range(R)], seed=31)
+    module = pt.MoE(H, I, E, K, max_tokens=MAX_TOKENS, group=mesh["ep"], device="cuda", dtype=torch.float32)
+    module.load_state_dict(state_dict_of(routed, None))
+    fsdp.fully_shard(module, mesh=mesh["dp"], mp_policy=fsdp.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    module.set_gradient_divide_factor(R)
+    x, idx, weights, d_out = inputs[rank]
+    x = x.clone().requires_grad_()
+    weights = weights.clone().requires_grad_()
+    out = module(x, idx, weights)
+    (out.float() * d_out.float()).sum().backward()
+    got = [out.detach(), x.grad, weights.grad] + [
+        p.grad.full_tensor() * R for p in (module.w_gate, module.w_up, module.w_down)]
+    check_against_reference(rank, module, got, inputs, routed, None)

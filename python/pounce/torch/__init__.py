@@ -41,11 +41,16 @@ choice          memory                                     time
 Streams: every op runs on ``torch.cuda.current_stream()``. CUDA graphs: run one step eagerly first
 (the group and the workspace are created then), then capture; replays with new routing written into
 the captured input tensors give the eager results.
+
+Device errors: a failure the GPU recorded (a timed-out peer wait, an expert id out of range) is raised by
+the layer's next forward or backward that finds it (``MoE(..., check_errors=True)``, no host sync); after a
+CUDA graph's replay, :func:`check_errors` with ``synchronize=True`` checks it.
 """
 from ._fp8 import Fp8Cache
 from ._module import MoE
 from ._ops import MoEFunction, moe, tokens_per_expert
 from ._registry import (
+    check_errors,
     ep_group,
     free_workspaces,
     register_layer,
@@ -61,6 +66,7 @@ __all__ = [
     "Fp8Cache",
     "MoE",
     "MoEFunction",
+    "check_errors",
     "configure_transformers",
     "ep_group",
     "free_workspaces",

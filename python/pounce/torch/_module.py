@@ -25,6 +25,33 @@ def _activation(activation) -> pounce.Activation:
     )
 
 
+def _is_dtensor(tensor) -> bool:
+    return torch.distributed.is_available() and isinstance(tensor, torch.distributed.tensor.DTensor)
+
+
+def _is_fsdp_module(module: nn.Module) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def _local_rows(param, e: Optional[int], value: Tensor):
+    """(this rank's part of ``param[e]`` (or of ``param``), the matching part of ``value``) for a DTensor
+    parameter, as FSDP2 leaves them: its local shard holds rows offset.. of the gathered tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = param.to_local()
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    if e is None:
+        return local, value[index]
+    if not offset[0] <= e < offset[0] + shape[0]:
+        return local[:0], value.new_empty((0,) + tuple(value.shape))  # expert e is another dp rank's shard
+    return local[e - offset[0]], value[index[1:]]
+
+
 class MoE(nn.Module):
     """The layer after the router: ``out = shared(x) + sum_j topk_weights[:, j] * expert[topk_idx[:, j]](x)``.
 
@@ -69,6 +96,12 @@ class MoE(nn.Module):
     forward only after the weights changed (their ``_version``: once per optimizer step). After writing the
     weights in a way the version counter misses (through ``.data``), call ``fp8_cache.invalidate()``.
 
+    ``check_errors``: True (default) raises a failure the GPU recorded on the layer's workspace (a timed-out
+    peer wait, an expert id out of range; the failing call's outputs are not valid) as a PounceError
+    naming the layer, checked without a host sync before each forward and after each backward (skipped
+    during CUDA-graph capture: :func:`pounce.torch.check_errors` checks a replay); False turns it off
+    (the workspace's next call still raises it, unnamed).
+
     ``load_state_dict`` reads, besides its own per-expert keys, transformers' layouts: the fused
     ``experts.gate_up_proj [E,2I,H]`` / ``experts.down_proj [E,H,I]`` of transformers 5, Mixtral's
     ``experts.{e}.w1/w3/w2.weight`` (gate, up, down) and DeepSeek's ``shared_experts.*_proj.weight``
@@ -93,6 +126,7 @@ class MoE(nn.Module):
         device=None,
         init_seed: Optional[int] = None,
         precision: Union[str, pounce.Precision, None] = None,
+        check_errors: bool = True,
     ):
         super().__init__()
         config = _registry.copy_config(config if config is not None else pounce.Config())
@@ -103,6 +137,7 @@ class MoE(nn.Module):
         self.hidden, self.intermediate = hidden, intermediate
         self.num_experts, self.num_topk = num_experts, num_topk
         self.shared_intermediate, self.max_tokens = shared_intermediate, max_tokens
+        group = _registry.as_group(group)
         self.num_ranks = _registry.group_size(group)
         self.rank = _registry.group_rank(group)
         if num_experts % self.num_ranks != 0:
@@ -121,6 +156,7 @@ class MoE(nn.Module):
             config=config,
             group=group,
             share_workspace=share_workspace,
+            check_errors=check_errors,
         )
         weakref.finalize(self, _registry.unregister_layer, self.layer)
 
@@ -205,13 +241,31 @@ class MoE(nn.Module):
         weights = topk_weights.reshape(-1, k)
         if weights.dtype != torch.float32:
             weights = weights.to(torch.float32)
+        fsdp = _is_fsdp_module(self)
         main_grads = None
         if self.accumulate_main_grad:
+            if fsdp:
+                raise pounce.PounceError(
+                    "pounce: accumulate_main_grad=True does not compose with FSDP2 (fully_shard reduce-scatters "
+                    ".grad); pass accumulate_main_grad=False and fp32 gradients through "
+                    "MixedPrecisionPolicy(reduce_dtype=torch.float32)"
+                )
             main_grads = tuple(getattr(p, "main_grad", None) if p is not None else None for p in self._weights())
             if any(g is None for g, p in zip(main_grads, self._weights()) if p is not None):
                 raise pounce.PounceError(
                     "pounce: accumulate_main_grad=True but a parameter has no main_grad; call init_main_grad()"
                 )
+        if fsdp and self.num_ranks > 1 and self.ws_gate is not None and self.ws_gate.requires_grad:
+            raise pounce.PounceError(
+                "pounce: under FSDP2 over the data-parallel mesh and EP over more than one rank, the shared "
+                "expert is replicated over the EP ranks but its gradients are reduced over 'dp' only; build the "
+                "MoE with shared_intermediate=0 and keep the shared expert as a module sharded over the whole "
+                "mesh (docs/pytorch.md, EP x FSDP2)"
+            )
+        if fsdp and self.fp8_cache is not None:
+            # FSDP2 all-gathers the weights into the same buffers at every forward and keeps their version
+            # counters, so the cache cannot see an optimizer step: quantize every forward.
+            self.fp8_cache.invalidate()
         out = _ops.moe(
             x2.contiguous(),
             idx,
@@ -227,7 +281,9 @@ class MoE(nn.Module):
             fp8_cache=self.fp8_cache,
         )
         self.last_tokens_per_expert = _ops.tokens_per_expert(idx, self.num_experts)
-        return out.view(x.shape).to(x.dtype)
+        if out.shape != x.shape:
+            out = out.view(x.shape)  # a view: FSDP2 warns about in-place ops on a wrapped module's output
+        return out.to(x.dtype)
 
     def _weights(self):
         return (self.w_gate, self.w_up, self.w_down, self.ws_gate, self.ws_up, self.ws_down)
@@ -255,8 +311,13 @@ class MoE(nn.Module):
                 yield f"{prefix}shared_expert.{proj}.weight", name, None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        full = {}  # under FSDP2: each parameter all-gathered once over its data-parallel mesh
         for key, name, e in self._expert_keys(prefix):
             param = getattr(self, name)
+            if _is_dtensor(param):
+                if name not in full:
+                    full[name] = param.full_tensor()
+                param = full[name]
             value = param if e is None else param[e]
             destination[key] = value if keep_vars else value.detach()
 
@@ -309,14 +370,18 @@ class MoE(nn.Module):
                     missing_keys.append(key)
                     continue
                 param = getattr(self, name)
-                target = param if e is None else param[e]
                 value = state_dict[key]
-                if tuple(value.shape) != tuple(target.shape):
+                shape = tuple(param.shape) if e is None else tuple(param.shape[1:])
+                if tuple(value.shape) != shape:
                     error_msgs.append(
                         f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
-                        f"the shape in the current model is {tuple(target.shape)}."
+                        f"the shape in the current model is {shape}."
                     )
                     continue
+                if _is_dtensor(param):  # under FSDP2: the rows of this rank's shard
+                    target, value = _local_rows(param, e, value)
+                else:
+                    target = param if e is None else param[e]
                 target.copy_(value)
         if strict:
             for key in state_dict:

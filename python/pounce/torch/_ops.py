@@ -34,6 +34,13 @@ runs ``pounce::quantize_fp8`` (which re-quantizes the weights into the cache onl
 declares a mutation of them, which autograd's saved-tensor version check would take for a change). The weights
 still go in as bf16 (the layer checks them, and the CPU backend computes from them); their gradients come
 back as in BF16.
+
+Device errors. A GPU kernel records a failure (a timed-out peer wait, an expert id out of range) instead of
+trapping. ``moe_forward`` (before its launch) and the backward ops (after theirs) run the non-blocking
+``pounce.check_errors`` on the layer's workspace inside the op, so torch.compile sees no extra node, and raise
+what finished calls recorded, naming the layer; ``register_layer(check_errors=False)`` turns it off. Skipped
+while a CUDA graph is being captured: ``pounce.torch.check_errors(synchronize=True)`` checks a graph's
+replays.
 """
 from __future__ import annotations
 
@@ -161,6 +168,20 @@ def _fake_grad_set(weights, dtype, *, wanted: bool, fused: bool):
             _like(down, dtype))
 
 
+# -- device errors --------------------------------------------------------------------------------------
+
+
+def _check_device_errors(handle: int, slot, x: Tensor, when: str) -> None:
+    """pounce.check_errors on the layer's workspace, without a host sync (one read of host-mapped memory):
+    raises the failure an earlier call's kernels recorded once they ended (that call's outputs are not
+    valid), naming the layer. Not for a layer registered with ``check_errors=False``, nor while the stream
+    is being captured (the check would not be part of the graph: :func:`pounce.torch.check_errors` checks a
+    replay)."""
+    if not _registry.layer(handle).check_errors or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    _registry.check_layer_errors(handle, slot, when)
+
+
 # -- the ops --------------------------------------------------------------------------------------------
 
 
@@ -185,6 +206,7 @@ def moe_forward(
     out = _like(x)
     ticket = torch.zeros((1,), dtype=torch.uint8, device=x.device)  # its address is what counts
     with _registry._device_scope(x.device):
+        _check_device_errors(layer, slot, x, "before its forward")
         slot.resident = None  # a failing forward leaves no valid context behind
         pounce.forward(
             slot.workspace, _plain(x), topk_idx, _plain(topk_weights), _routed(w_gate, w_up, w_down), out,
@@ -246,6 +268,7 @@ def _run_backward(
             slot.workspace, x, topk_idx, topk_weights, routed, d_out, d_x, d_topk_weights, d_routed, shared,
             d_shared, accumulate, _stream(x), routed_fp8=routed_fp8,
         )
+        _check_device_errors(layer, slot, x, "after its backward")
     return d_x, d_topk_weights
 
 

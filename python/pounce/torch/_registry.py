@@ -93,6 +93,7 @@ class Layer:
     group: object  # None, a pounce.Group or a torch.distributed ProcessGroup
     share_workspace: bool | None  # None: private within the budget, else shared
     slot: Slot | None = None
+    check_errors: bool = True  # pounce.check_errors (no host sync) before each forward, after each backward
 
     def shape(self, num_ranks: int) -> pounce.Shape:
         return pounce.Shape(num_ranks=num_ranks, **{name: getattr(self, name) for name in _SHAPE_FIELDS[:-1]})
@@ -126,23 +127,30 @@ def register_layer(
     group=None,
     share_workspace: bool | None = None,
     precision=None,
+    check_errors: bool = True,
 ) -> int:
     """A layer handle for :func:`pounce.torch.moe`. Checks the shape now; allocates on first use.
 
-    ``group``: a :class:`pounce.Group`, a ``torch.distributed`` process group (its ranks form the EP
-    group), or ``None`` (the default process group when one is initialised, else a single rank).
+    ``group``: a :class:`pounce.Group`, a ``torch.distributed`` process group or a 1-D DeviceMesh such as
+    ``mesh["ep"]`` (its ranks form the EP group), or ``None`` (the default process group when one is initialised, else a single rank).
     ``share_workspace``: False gives the layer a workspace of its own (no recompute before backward, at
     the memory of a whole workspace), True shares one per (group, shape, config) (backward recomputes
     the forward when another layer ran in between: activation checkpointing), None (default) is private
     within the budget of :func:`set_workspace_budget`, shared past it. ``precision``: 'bf16' or 'fp8'
     (overrides ``config.precision``; None keeps it); an fp8 layer takes ``fp8_cache=`` in :func:`moe`.
+    ``check_errors``: True (default) runs :func:`pounce.check_errors` on the layer's workspace, without a
+    host sync, before each forward and after each backward, so a failure the GPU recorded (a timed-out
+    peer wait, an expert id out of range) is raised naming the layer; False leaves it to the C++ check at
+    the workspace's next call (docs/pytorch.md).
     """
+    group = as_group(group)
     config = config if config is not None else pounce.Config()
     if precision is not None:
         config = copy_config(config)
         config.precision = parse_precision(precision)
     layer_ = Layer(
-        hidden, intermediate, num_experts, num_topk, max_tokens, shared_intermediate, config, group, share_workspace
+        hidden, intermediate, num_experts, num_topk, max_tokens, shared_intermediate, config, group, share_workspace,
+        check_errors=check_errors,
     )
     layer_.shape(group_size(group)).validate()
     handle = next(_next_layer)
@@ -251,6 +259,40 @@ def free_workspaces() -> None:
     _ops.free_scratch()
 
 
+def check_layer_errors(handle: int, slot: Slot, when: str, *, stream: int = 0, synchronize: bool = False):
+    """pounce.check_errors on the layer's workspace; its PounceError raised again naming the layer."""
+    layer_ = layer(handle)
+    try:
+        pounce.check_errors(slot.workspace, stream, synchronize)
+    except pounce.PounceError as error:
+        message = str(error).removeprefix("pounce: ")
+        raise pounce.PounceError(
+            f"pounce: layer {handle} (hidden={layer_.hidden}, intermediate={layer_.intermediate}, "
+            f"num_experts={layer_.num_experts}): a call on its workspace failed on the GPU (found {when}): "
+            f"{message}"
+        ) from error
+
+
+def check_errors(module=None, *, synchronize: bool = False) -> None:
+    """Raises the failure the GPU recorded on the workspace of ``module`` (a :class:`pounce.torch.MoE` or a
+    :func:`register_layer` handle), or of every layer that has run (None), as a PounceError naming the
+    layer: :func:`pounce.check_errors` on the current stream of the workspace's device. The layers check
+    themselves before each forward and after each backward, but not while a CUDA graph is captured: after a
+    graph's replay call this with ``synchronize=True`` (it waits for the stream, so the replay's kernels
+    are certainly checked). Without it, one read of host-mapped memory per workspace."""
+    handles = list(_layers) if module is None else [getattr(module, "layer", module)]
+    checked = set()
+    for handle in handles:
+        slot = layer(handle).slot
+        if slot is None or id(slot) in checked:
+            continue
+        checked.add(id(slot))
+        cuda = slot.device is not None and slot.device.type == "cuda"
+        stream = torch.cuda.current_stream(slot.device).cuda_stream if cuda else 0
+        with _device_scope(slot.device):
+            check_layer_errors(handle, slot, "by check_errors", stream=stream, synchronize=synchronize)
+
+
 def workspace_stats() -> list[dict]:
     """Per workspace in use: shape, whether layers share it, its bytes, the layers on it, forwards run
     and context recomputes done (for tests and tuning). Shared ones first."""
@@ -270,6 +312,30 @@ def workspace_stats() -> list[dict]:
 # ---------------------------------------------------------------------------------------------------
 # EP groups
 # ---------------------------------------------------------------------------------------------------
+
+
+def as_group(group, argument: str = "group"):
+    """``group`` with a DeviceMesh replaced by its process group: a 1-D mesh (``mesh["ep"]`` of a
+    ("dp", "ep") mesh) stands for the ranks along its dimension; a mesh of more dimensions is refused,
+    since which of them is the EP group is the caller's choice. Other values pass unchanged."""
+    if isinstance(group, pounce.Group) or group is None or not _is_device_mesh(group):
+        return group
+    if group.ndim != 1:
+        names = group.mesh_dim_names
+        dims = f" with dimensions {names}" if names else ""
+        raise pounce.PounceError(
+            f"pounce: argument '{argument}' is a {group.ndim}-D DeviceMesh{dims}; pass the 1-D mesh of its EP "
+            f"dimension, e.g. {argument}=mesh['ep'] (and give the other dimensions to FSDP/DDP)"
+        )
+    return group.get_group()
+
+
+def _is_device_mesh(value) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return isinstance(value, DeviceMesh)
 
 
 def _dist_initialized() -> bool:
@@ -295,12 +361,14 @@ def group_rank(group) -> int:
 
 
 def ep_group(process_group=None) -> pounce.Group:
-    """The pounce GPU group over the ranks of a torch.distributed process group (default: WORLD).
+    """The pounce GPU group over the ranks of a torch.distributed process group or 1-D DeviceMesh
+    (default: WORLD).
 
     Collective over the process group: rank 0 draws an NCCL unique id, ``broadcast_object_list`` sends
     it, every rank joins the communicator on its current CUDA device. Cached per process group and
     device.
     """
+    process_group = as_group(process_group, "process_group")
     pg = process_group if process_group is not None else torch.distributed.group.WORLD
     device = torch.cuda.current_device()
     key = ("nccl", id(pg), device)
@@ -329,10 +397,11 @@ def resolve_group(group, device: torch.device) -> pounce.Group:
                     _groups[key] = pounce.Group.create_nccl(0, 1, pounce.Group.new_unique_id())
                 return _groups[key]
             return ep_group(group)
-    if group is not None or group_size(None) > 1:
+    if group_size(group) > 1:
         raise pounce.PounceError(
-            "pounce: a torch.distributed group runs on GPUs only; for the CPU backend pass the handles of "
-            "pounce.Group.create_cpu(R) (one per rank, each driven from its own thread)"
+            "pounce: a torch.distributed group (or DeviceMesh) of more than one rank runs EP on GPUs only; the "
+            "CPU backend's ranks are threads of one process: pass the handles of pounce.Group.create_cpu(R) "
+            "(one per rank, each driven from its own thread), or an EP group of one rank"
         )
     if "cpu" not in _groups:
         _groups["cpu"] = pounce.Group.create_cpu(1)[0]

@@ -353,8 +353,7 @@ def configure_transformers(
     ``fuse_shared_experts``: run DeepSeek-V3-style ungated shared experts inside pounce. Returns counts:
     ``{"experts": modules configured, "shared_inside": blocks whose shared expert moved in}``.
     """
-    if hasattr(group, "get_group") and not isinstance(group, pounce.Group):  # a 1-D DeviceMesh (mesh["ep"])
-        group = group.get_group()
+    group = _registry.as_group(group)
     num_ranks = _registry.group_size(group)
     rank = _registry.group_rank(group)
     counts = {"experts": 0, "shared_inside": 0}
