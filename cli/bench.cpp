@@ -286,9 +286,11 @@ json make_record(const RecordContext& context, const Measurement& m) {
         "routed experts in block-scaled E4M3 (docs/design.md §1), the shared expert BF16; speedup_vs_bf16: "
         "the BF16 layer of the same impl, measured just before in the same run on the same inputs; the "
         "baseline and the peers are BF16 (speedup_vs_baseline, speedup_vs compare with them); the weights "
-        "are quantized once, outside the timed runs (weight_quantize_ms, one call, the slowest rank); on GPUs "
+        "are quantized once, outside the timed runs (weight_quantize_ms, one call, the slowest rank); on "
+        "GPUs "
         "FP8 runs the stage kernels whatever the impl names (kernel_path)";
-    if (m.backend == Backend::kGpu) record["kernel_path"] = "staged";  // the fused kernels are BF16 only so far
+    if (m.backend == Backend::kGpu)
+      record["kernel_path"] = "staged";  // the fused kernels are BF16 only so far
   }
   if (!measured) record["error"] = m.error.empty() ? "not measured" : m.error;
   return record;

@@ -47,8 +47,7 @@ WorkspaceBytes Workspace::bytes_required(const Shape& shape, const Config& confi
   // One formula for every backend: kernels/layout/workspace_layout.cuh lists each region.
   const auto layout = kernels::layout::WorkspaceLayout::make(
       shape.max_tokens, shape.hidden, shape.intermediate, shape.shared_intermediate, shape.num_experts,
-      shape.num_topk, shape.num_ranks, config.macrobatch_size,
-      config.precision == Precision::kFP8);
+      shape.num_topk, shape.num_ranks, config.macrobatch_size, config.precision == Precision::kFP8);
   return {layout.symmetric_bytes, layout.local_bytes};
 }
 

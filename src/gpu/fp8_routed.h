@@ -22,7 +22,8 @@ namespace pounce::gpu {
 // Local experts [first_expert, ...) of a quantized weight tensor, as the FP8 GEMMs take them.
 kernels::Fp8Matrices fp8_experts(const Fp8Tensor& weights, int64_t first_expert = 0);
 
-// Throws, naming the argument, unless the quantized weights are there and laid out as the FP8 GEMMs read them.
+// Throws, naming the argument, unless the quantized weights are there and laid out as the FP8 GEMMs read
+// them.
 void check_fp8_forward_args(const ForwardArgs& args);
 
 // x_q = q1x128_H(x) into the symmetric buffer (rows up to round_up(T, 128); zeros past T).
