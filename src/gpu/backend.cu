@@ -8,6 +8,7 @@
 #include <nccl.h>
 #include <nccl_device.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include "kernels/sched/macrobatch_plan.cuh"     // kMaxMacrobatches
 #include "kernels/gemm/grouped_gemm_kernel.cuh"  // WaitError: the fused kernels' stage-ring failures
 #include "src/gpu/gpu_state.h"
+#include "src/validation.h"
 
 namespace pounce::gpu {
 
@@ -353,9 +355,51 @@ void validate_workspace_shape(const GpuGroup& group, int rank, const Shape& shap
 
 }  // namespace
 
+namespace {
+
+// Every rank's shape and config (WorkspaceFields, the fields the CPU backend compares too), gathered before
+// anything is checked or allocated: a rank created with another max_tokens, hidden or top-k would make its
+// peers write at wrong offsets, another kernel path or comm SM count would leave them at different barriers.
+// One all-gather over the group's communicator, so every rank reaches the same verdict and throws the same
+// message naming the first field that differs. A rank that fails before it (an invalid shape of its own)
+// never arrives: its peers wait in NCCL, unbounded until the communicators can be aborted.
+void check_ranks_agree(const GpuGroup& group, int rank, const Shape& shape, const Config& config) {
+  const int R = group.num_ranks;
+  if (R == 1) return;
+  constexpr int kCount = WorkspaceFields::kCount;
+  const WorkspaceFields mine = WorkspaceFields::of(shape, config);
+  std::vector<int64_t> all(static_cast<size_t>(R) * kCount);
+  int64_t* gathered = nullptr;
+  POUNCE_CUDA(cudaMalloc(&gathered, all.size() * sizeof(int64_t)));
+  const auto release = [&] { cudaFree(gathered); };
+  try {
+    POUNCE_CUDA(cudaMemcpy(gathered + static_cast<size_t>(rank) * kCount, mine.values.data(),
+                           kCount * sizeof(int64_t), cudaMemcpyHostToDevice));
+    nccl_check(ncclAllGather(gathered + static_cast<size_t>(rank) * kCount, gathered, kCount, ncclInt64,
+                             group.comm(), nullptr),
+               "ncclAllGather (workspace agreement)", "every rank must create the workspace together");
+    POUNCE_CUDA(cudaMemcpy(all.data(), gathered, all.size() * sizeof(int64_t), cudaMemcpyDeviceToHost));
+  } catch (...) {
+    release();
+    throw;
+  }
+  release();
+  std::vector<WorkspaceFields> ranks(R);
+  for (int r = 0; r < R; ++r)
+    std::copy_n(all.begin() + static_cast<ptrdiff_t>(r) * kCount, kCount, ranks[r].values.begin());
+  const std::string disagreement = workspace_disagreement(ranks);
+  POUNCE_CHECK(disagreement.empty(), disagreement);
+}
+
+}  // namespace
+
 GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup> group, int rank, const Shape& shape,
                                  const Config& config, const Environment& environment) {
   POUNCE_CHECK(group != nullptr, "create_workspace needs a GPU group");
+  {
+    DeviceGuard agreement_guard(group->device);
+    check_ranks_agree(*group, group->rank, shape, config);
+  }
   const kernels::layout::WorkspaceLayout l = kernels::layout::WorkspaceLayout::make(
       shape.max_tokens, shape.hidden, shape.intermediate, shape.shared_intermediate, shape.num_experts,
       shape.num_topk, shape.num_ranks, config.macrobatch_size, config.precision == Precision::kFP8);

@@ -148,6 +148,33 @@ TEST(Faults, MissingPeerTimesOutWithARecordNotAHang) {
       << rank0_error;
 }
 
+// Ranks creating one workspace with different shapes or configs would write at wrong offsets or wait at
+// different barriers: creation compares them first, and every rank fails naming the first field that differs.
+TEST(Faults, RanksDisagreeingOnTheWorkspaceFailOnEveryRank) {
+  SKIP_UNLESS_GPUS(2);
+  const Shape shape = make_shape(64, 128, 64, 4, 2, 0, 2);
+  for (const bool config_differs : {false, true}) {
+    std::string errors[2];
+    run_ranks(2, [&](const Group& group, int rank) {
+      Shape mine = shape;
+      Config config;
+      if (rank == 1 && !config_differs) mine.max_tokens = 128;
+      if (rank == 1 && config_differs) config.backward_kernel_path = KernelPath::kStaged;
+      try {
+        Workspace workspace(group, mine, config);
+      } catch (const Error& error) {
+        errors[rank] = error.what();
+      }
+    });
+    const std::string field = config_differs ? "config.backward_kernel_path" : "shape.max_tokens";
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_NE(errors[rank].find("ranks created the workspace with different " + field), std::string::npos)
+          << "rank " << rank << ": '" << errors[rank] << "'";
+    }
+    EXPECT_EQ(errors[0], errors[1]) << "every rank reports the same disagreement";
+  }
+}
+
 // A token naming one expert in every slot sends it more rows than the smallest ring holds: the call reports
 // it, computes nothing routed, poisons the owners' slots (NaN outputs, never stale ones), writes nothing out
 // of bounds, and the next call is clean.
