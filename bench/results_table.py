@@ -56,6 +56,13 @@ def span(values) -> str:
     return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
 
 
+def provenance(rows: list) -> tuple:
+    """The GPUs, commits and dates `rows` were measured on, each joined into one caption string."""
+    return (" / ".join(sorted({str(r.get("gpu", "?")) for r in rows})),
+            ", ".join(sorted({str(r.get("commit", "?")) for r in rows})),
+            ", ".join(sorted({str(r.get("date", ""))[:10] for r in rows})))
+
+
 def peer_table(records: list, source: str) -> list:
     """Lines of the side-by-side table of Pounce and its peers on one GPU from `records` (EP1), or none."""
     def at(r, ranks=1):
@@ -141,9 +148,7 @@ def fp8_table(records: list, source: str) -> list:
             throttled = slow["power_w"] >= 0.95 * fast["power_w"]  # as much power at a lower clock: the power limit
             clocks = (f"; {fp8['preset']}'s {slow['precision'].upper()} run ran "
                       f"{'power-throttled ' if throttled else ''}at {slow['sm_clock_mhz']:.0f} MHz")
-    gpus = " / ".join(sorted({str(r.get("gpu", "?")) for r in rows}))
-    commits = ", ".join(sorted({str(r.get("commit", "?")) for r in rows}))
-    dates = ", ".join(sorted({str(r.get("date", ""))[:10] for r in rows}))
+    gpus, commits, dates = provenance(rows)
     caption = (f"1 x {gpus}, {TOKENS} tokens, the same inputs for both; median of "
                f"{span(r['iters'] for r in rows if 'iters' in r)} timed runs. {kernels} FP8: routed experts in "
                f"block-scaled E4M3 (docs/design.md §1), weights quantized once, untimed. MHz, W: SM clock and power "
@@ -178,9 +183,7 @@ def block(records: list, source: str, peer_records: list = (), peer_source: str 
         lines.append(f"| {r['preset']} | {PASSES[r['pass']]} | {milliseconds(r['median_ms'])} | "
                      f"{number(r.get('tflops'), '{:.0f}')} | {number(r.get('speedup_vs_baseline'), '{:.2f}x')} |"
                      + (f" {number(r.get('floor_fraction'), '{:.0%}')} |" if floor else ""))
-    gpus = " / ".join(sorted({str(r.get("gpu", "?")) for r in rows}))
-    commits = ", ".join(sorted({str(r.get("commit", "?")) for r in rows}))
-    dates = ", ".join(sorted({str(r.get("date", ""))[:10] for r in rows}))
+    gpus, commits, dates = provenance(rows)
     caption = (f"{RANKS} x {gpus}, EP{RANKS}, {PRECISION}, {TOKENS} tokens per rank, `pounce bench` defaults "
                f"(fused forward, backward by shape); median of {span(r['iters'] for r in rows if 'iters' in r)} timed runs "
                f"after warm-up, inputs rotated past L2. TFLOP/s counts useful work (docs/design.md §7). The "

@@ -23,18 +23,7 @@ void append_bf16(const std::vector<uint16_t>& bits, int64_t offset, int64_t coun
 }
 
 reference::Problem make_problem(const HostProblem& problem, Precision precision, int num_threads) {
-  const Shape& s = problem.shape;
-  reference::Problem p;
-  p.hidden = s.hidden;
-  p.intermediate = s.intermediate;
-  p.num_experts = s.num_experts;
-  p.num_topk = s.num_topk;
-  p.shared_intermediate = s.shared_intermediate;
-  p.num_ranks = s.num_ranks;
-  p.block_m = kBlockM;
-  p.activation = problem.activation;
-  p.numerics = reference::Numerics::kBf16;  // the layer's rounding points: the oracle
-  p.precision = precision;
+  reference::Problem p = reference::Problem::of(problem.shape, problem.activation, precision);
   p.num_threads = num_threads;
   return p;
 }

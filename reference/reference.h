@@ -37,6 +37,21 @@ struct Problem {
   int num_threads = 0;                     // 0 = hardware concurrency
 
   int64_t num_local_experts() const { return num_experts / num_ranks; }
+
+  // A layer of `shape` as the library runs it: its schedule padding (kBlockM) and rounding points (kBf16).
+  static Problem of(const Shape& shape, const Activation& activation, Precision precision) {
+    Problem p;
+    p.hidden = shape.hidden;
+    p.intermediate = shape.intermediate;
+    p.num_experts = shape.num_experts;
+    p.num_topk = shape.num_topk;
+    p.shared_intermediate = shape.shared_intermediate;
+    p.num_ranks = shape.num_ranks;
+    p.block_m = kBlockM;
+    p.activation = activation;
+    p.precision = precision;
+    return p;
+  }
 };
 
 struct RankInputs {

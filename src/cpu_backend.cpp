@@ -68,18 +68,7 @@ void store(const std::vector<double>& values, const TensorView& view, bool accum
 }
 
 reference::Problem make_problem(const WorkspaceState& state) {
-  reference::Problem problem;
-  problem.hidden = state.shape.hidden;
-  problem.intermediate = state.shape.intermediate;
-  problem.num_experts = state.shape.num_experts;
-  problem.num_topk = state.shape.num_topk;
-  problem.shared_intermediate = state.shape.shared_intermediate;
-  problem.num_ranks = state.shape.num_ranks;
-  problem.block_m = kBlockM;
-  problem.activation = state.config.activation;
-  problem.numerics = reference::Numerics::kBf16;
-  problem.precision = state.config.precision;
-  return problem;
+  return reference::Problem::of(state.shape, state.config.activation, state.config.precision);
 }
 
 // An empty bias stays empty (no bias), as the reference takes it.

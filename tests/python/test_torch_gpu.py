@@ -210,6 +210,35 @@ def test_compile_fullgraph_matches_eager(world):
                    enumerate(zip(eager, got))])
 
 
+def capture_step(model, params, inputs):
+    """One forward+backward of `model(x, idx, weights)` captured in a CUDA graph on static copies of `inputs`
+    (x, idx, weights, d_out), after two warm-up steps on a side stream (groups, workspaces, autograd state).
+    Returns the graph, the static inputs (copy new values into them before a replay) and the captured output
+    followed by the gradients of x, the weights and `params`."""
+    x0, idx0, w0, d0 = inputs
+    static = dict(x=x0.clone().requires_grad_(), idx=idx0.clone(), w=w0.clone().requires_grad_(), d=d0.clone())
+
+    def graph_step():
+        out = model(static["x"], static["idx"], static["w"])
+        (out.float() * static["d"].float()).sum().backward()
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for t in params + [static["x"], static["w"]]:
+                t.grad = None
+            graph_step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in params + [static["x"], static["w"]]:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = graph_step()
+    return graph, static, [static_out, static["x"].grad, static["w"].grad] + [p.grad for p in params]
+
+
 def test_cuda_graph_replay_with_new_routing_matches_eager(world):
     """Two layers sharing a workspace (so backward recomputes a context inside the graph): one
     forward+backward captured, replayed with new routing copied into the captured inputs."""
@@ -221,28 +250,7 @@ def test_cuda_graph_replay_with_new_routing_matches_eager(world):
     def model(x, idx, weights):
         return layers[1](layers[0](x, idx, weights), idx.flip(0), weights)
 
-    x0, idx0, w0, d0 = inputs[rank]
-    static = dict(x=x0.clone().requires_grad_(), idx=idx0.clone(), w=w0.clone().requires_grad_(), d=d0.clone())
-
-    def graph_step():
-        out = model(static["x"], static["idx"], static["w"])
-        (out.float() * static["d"].float()).sum().backward()
-        return out
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # warm-up: groups, workspaces, autograd state
-            for t in params + [static["x"], static["w"]]:
-                t.grad = None
-            graph_step()
-    torch.cuda.current_stream().wait_stream(side)
-    for t in params + [static["x"], static["w"]]:
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = graph_step()
-    captured = [static_out, static["x"].grad, static["w"].grad] + [p.grad for p in params]
+    graph, static, captured = capture_step(model, params, inputs[rank])
 
     for seed in (21, 22, 23):
         new_inputs, _, _ = make_inputs(R, [384, 256], seed=seed)
@@ -469,27 +477,7 @@ def test_fp8_cuda_graph_replay_requantizes_the_updated_weights(world):
     module = make_module(routed, shared_w, precision="fp8")
     params = list(module.parameters())
     x0, idx0, w0, d0 = inputs[rank]
-    static = dict(x=x0.clone().requires_grad_(), idx=idx0.clone(), w=w0.clone().requires_grad_(), d=d0.clone())
-
-    def graph_step():
-        out = module(static["x"], static["idx"], static["w"])
-        (out.float() * static["d"].float()).sum().backward()
-        return out
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for t in params + [static["x"], static["w"]]:
-                t.grad = None
-            graph_step()
-    torch.cuda.current_stream().wait_stream(side)
-    for t in params + [static["x"], static["w"]]:
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = graph_step()
-    captured = [static_out, static["x"].grad, static["w"].grad] + [p.grad for p in params]
+    graph, _, captured = capture_step(module, params, inputs[rank])
 
     for n in range(3):
         with torch.no_grad():  # the optimizer step, outside the graph
