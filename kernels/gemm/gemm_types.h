@@ -24,6 +24,9 @@ struct GroupedRows {
   // are all padding, weight-gradient K blocks past the data) and store what zero rows give: zeros. null =
   // none.
   const int32_t* group_rows = nullptr;
+  // Device int32 where a bounded wait that ran out records its gemm::WaitError (first one wins); null = the
+  // device's global word (grouped_gemm_error_code). The layer passes its workspace's word.
+  int32_t* error_flag = nullptr;
 };
 
 struct ActivationParams {

@@ -74,6 +74,7 @@ enum class WaitId : int32_t {
   kFusedReplayRowsReady = 13,   // fused backward, macrobatch ring: a minibatch's x rows pulled again
   kFusedReplayDone = 14,        // fused backward, macrobatch ring: every replayed gate/up tile of an m-block
   kFusedRingFree = 15,          // fused forward, macrobatch ring: the previous macrobatch's ring rows free
+  kStagedGemm = 16,             // a staged GEMM's stage ring (`observed` is its gemm::WaitError)
 };
 
 // The fused kernels' GPU-scope counters (local region, zeroed before every launch), in uint32
@@ -81,7 +82,7 @@ enum class WaitId : int32_t {
 inline constexpr int64_t kFusedTicket = 0;     // next task of the compute CTAs' list
 inline constexpr int64_t kFusedRole = 1;       // CTAs started so far: the first comm_ctas communicate
 inline constexpr int64_t kFusedAbort = 2;      // non-zero once any CTA failed: every wait gives up
-inline constexpr int64_t kFusedGemmError = 3;  // the GEMM stage ring's WaitError (scratch)
+inline constexpr int64_t kFusedGemmError = 3;  // the GEMM error word (WorkspacePointers::gemm_error)
 // The fused forward's grid-wide steps (kernels/fused/grid_steps.cuh): CTAs (or parties) arrived, and the
 // step's release word (1 once the last arrival released it; a failure sets kFusedAbort instead).
 enum FusedGridStep : int32_t {
@@ -481,6 +482,12 @@ struct WorkspacePointers {
   // Device [El]: 1 where macrobatch b writes expert e's weight gradient (null without a ring: every expert).
   POUNCE_HOST_DEVICE const int32_t* owned_experts(int32_t b) const {
     return has_ring() ? macrobatch_owned + b * num_local_experts : nullptr;
+  }
+  // The workspace's GEMM error word (a gemm::WaitError): the fused kernels' stage ring and every staged GEMM
+  // record a bounded wait that ran out here; the call's last launch (poison_on_error.cuh) turns a staged one
+  // into the error record.
+  POUNCE_HOST_DEVICE int32_t* gemm_error() const {
+    return reinterpret_cast<int32_t*>(fused_counters + kFusedGemmError);
   }
 };
 

@@ -494,6 +494,8 @@ const char* wait_name(kernels::layout::WaitId id) {
       return "fused backward: replayed gate/up tiles of an m-block";
     case kernels::layout::WaitId::kFusedRingFree:
       return "fused forward: the previous macrobatch's ring rows (down tiles stored, rows pushed)";
+    case kernels::layout::WaitId::kStagedGemm:
+      return "staged GEMM: its stage ring";
     case kernels::layout::WaitId::kNone:
       break;
   }
@@ -509,25 +511,40 @@ void check_device_errors(GpuWorkspace& workspace) {
   const kernels::layout::DeviceErrorRecord copy{code,          record->wait_id,  record->rank,
                                                 record->peer,  record->expected, record->observed,
                                                 record->token, record->slot};
-  // Clear for the next call: host record first, then the device claim flag on a private stream. A fused
-  // kernel's stage-ring failure leaves its GEMM WaitError in the counter header: read it for the message
-  // (the kernel has ended: the record is written last by a failing CTA, and the call synchronised).
+  // Clear for the next call: host record first, then the device claim flag and the GEMM error word on a
+  // private stream. A fused kernel's stage-ring failure leaves its GEMM WaitError in that word: read it for
+  // the message (the kernel has ended: the record is written last by a failing CTA).
   record->code = 0;
   int32_t gemm_error = 0;
   {
     DeviceGuard guard(workspace.device);
     const auto p = workspace.pointers();
     if (copy.wait_id == static_cast<int32_t>(kernels::layout::WaitId::kFusedTaskHandoff)) {
-      POUNCE_CUDA(cudaMemcpyAsync(&gemm_error, p.fused_counters + kernels::layout::kFusedGemmError,
-                                  sizeof(gemm_error), cudaMemcpyDeviceToHost, workspace.side_stream));
+      POUNCE_CUDA(cudaMemcpyAsync(&gemm_error, p.gemm_error(), sizeof(gemm_error), cudaMemcpyDeviceToHost,
+                                  workspace.side_stream));
     }
     POUNCE_CUDA(cudaMemsetAsync(p.error_claim, 0, sizeof(int32_t), workspace.side_stream));
+    POUNCE_CUDA(cudaMemsetAsync(p.gemm_error(), 0, sizeof(int32_t), workspace.side_stream));
     POUNCE_CUDA(cudaStreamSynchronize(workspace.side_stream));
   }
   std::ostringstream out;
   switch (static_cast<kernels::layout::DeviceErrorCode>(copy.code)) {
     case kernels::layout::DeviceErrorCode::kWaitTimeout: {
       const char* which = wait_name(static_cast<kernels::layout::WaitId>(copy.wait_id));
+      if (copy.wait_id == static_cast<int32_t>(kernels::layout::WaitId::kStagedGemm)) {
+        if (copy.observed == static_cast<int32_t>(kernels::gemm::WaitError::kRowsExceedCapacity)) {
+          out << "a staged GEMM on rank " << copy.rank
+              << " got more rows than the workspace holds (the excess "
+              << "rows were skipped); a token names the same expert in several slots";
+        } else {
+          out << "GPU wait timed out inside a staged GEMM on rank " << copy.rank << ": "
+              << (copy.observed == static_cast<int32_t>(kernels::gemm::WaitError::kFullStage)
+                      ? "a consumer waited for a stage's TMA bytes"
+                      : "the producer waited for a free stage")
+              << " longer than POUNCE_PEER_TIMEOUT_S (another kernel holding SMs, or a fault of the GPU?)";
+        }
+        break;
+      }
       if (copy.wait_id >= static_cast<int32_t>(kernels::layout::WaitId::kFusedRowsReady)) {
         out << "GPU wait timed out inside the fused kernel on rank " << copy.rank << ": " << which
             << " (index " << copy.peer << ", expected " << copy.expected << ", observed " << copy.observed;
@@ -637,6 +654,7 @@ void forward(GpuWorkspace& workspace, const ForwardArgs& args, void* stream) {
   check_forward_supported(workspace);
   workspace.context_tokens = -1;  // a launch that throws halfway leaves no usable context behind
   launch_forward(workspace, args, static_cast<cudaStream_t>(stream), /*write_out=*/true);
+  launch_finish_forward(workspace, args, /*write_out=*/true, static_cast<cudaStream_t>(stream));
   workspace.context_tokens = num_tokens_of(args);
 }
 
@@ -644,6 +662,7 @@ void recompute_forward_context(GpuWorkspace& workspace, const ForwardArgs& args,
   check_forward_supported(workspace);
   workspace.context_tokens = -1;
   launch_forward(workspace, args, static_cast<cudaStream_t>(stream), /*write_out=*/false);
+  launch_finish_forward(workspace, args, /*write_out=*/false, static_cast<cudaStream_t>(stream));
   workspace.context_tokens = num_tokens_of(args);
 }
 
@@ -660,6 +679,7 @@ void backward(GpuWorkspace& workspace, const BackwardArgs& args, void* stream) {
   } else {
     launch_staged_backward(workspace, args, static_cast<cudaStream_t>(stream));
   }
+  launch_finish_backward(workspace, args, static_cast<cudaStream_t>(stream));
 }
 
 }  // namespace pounce::gpu

@@ -119,6 +119,7 @@ gemm::Fp8GemmArgs grouped_args(const GroupedRows& rows, int64_t n) {
   args.common.group_row_offset = rows.group_row_offset;
   args.common.group_rows = rows.group_rows;
   args.common.num_groups = rows.num_groups;
+  args.common.error_flag = rows.error_flag;
   args.common.group_active = rows.group_active;
   args.common.max_m_blocks = static_cast<int32_t>(rows.max_rows / Fp8GemmConfig::BLOCK_M);
   args.common.n = static_cast<int32_t>(n);
@@ -129,7 +130,7 @@ gemm::Fp8GemmArgs grouped_args(const GroupedRows& rows, int64_t n) {
 void launch(Fp8Kind kind, const gemm::Fp8TensorMaps& maps, gemm::Fp8GemmArgs args, int64_t max_tiles,
             int max_ctas, cudaStream_t stream) {
   const GemmDevice& info = fp8_device();
-  args.common.error_flag = info.error_flag;
+  if (args.common.error_flag == nullptr) args.common.error_flag = info.error_flag;
   const int ctas = max_ctas > 0 ? std::min(max_ctas, info.num_sms) : info.num_sms;
   const int grid = static_cast<int>(std::min<int64_t>(ctas, max_tiles));
   if (grid <= 0) return;

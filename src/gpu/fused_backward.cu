@@ -110,7 +110,7 @@ void launch_fused_backward(GpuWorkspace& workspace, const BackwardArgs& args, cu
   StageTimer timer("backward", p, stream);
   // The operands are built (and checked) before the prologue queues anything: a refusal after it would
   // leave the peers at the combine barrier.
-  int32_t* gemm_error = reinterpret_cast<int32_t*>(p.fused_counters + kernels::layout::kFusedGemmError);
+  int32_t* gemm_error = p.gemm_error();
   const kernels::ActivationParams activation = activation_params(workspace.config.activation);
   // Without a shared expert the task list has no shared tiles; null operands would fault, not write the
   // routed gradients, should that ever change.

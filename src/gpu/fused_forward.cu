@@ -145,7 +145,7 @@ void launch_fused_forward(GpuWorkspace& workspace, const ForwardArgs& args, cuda
     params.shared_gate_up = params.gate_up;
     params.shared_down = params.down;
   }
-  int32_t* gemm_error = reinterpret_cast<int32_t*>(p.fused_counters + kernels::layout::kFusedGemmError);
+  int32_t* gemm_error = p.gemm_error();
   for (kernels::GemmOperands* o :
        {&params.gate_up, &params.down, &params.shared_gate_up, &params.shared_down})
     o->args.error_flag = gemm_error;

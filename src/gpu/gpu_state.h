@@ -102,6 +102,12 @@ kernels::WeightRows expert_slice(const TensorView& weights, int64_t first_expert
 void check_weights_aligned(const ExpertWeights& weights, const char* name);
 void launch_barrier(const kernels::layout::WorkspacePointers& p, kernels::layout::WaitId which,
                     cudaStream_t stream);
+// The last launch of a forward (or recompute: write_out false) and of a backward: a staged GEMM's failure
+// into the error record; once the record holds a failure, the call's outputs become NaN
+// (src/gpu/finish_call.cu).
+void launch_finish_forward(GpuWorkspace& workspace, const ForwardArgs& args, bool write_out,
+                           cudaStream_t stream);
+void launch_finish_backward(GpuWorkspace& workspace, const BackwardArgs& args, cudaStream_t stream);
 
 // The parts of a forward both paths share (src/gpu/staged_forward.cu). The prologue checks every argument
 // before it queues anything, then stages x, exchanges the routing (phase barrier) and builds the receive

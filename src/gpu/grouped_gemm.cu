@@ -181,7 +181,7 @@ gemm::OutputMaps output_maps(const gemm::GroupedGemmArgs& args) {
 template <KernelKind kKind>
 void launch(GemmOperands operands, int64_t max_tiles, int max_ctas, cudaStream_t stream) {
   const GemmDevice& info = gemm_device();
-  operands.args.error_flag = info.error_flag;
+  if (operands.args.error_flag == nullptr) operands.args.error_flag = info.error_flag;
   const int ctas = max_ctas > 0 ? std::min(max_ctas, info.num_sms) : info.num_sms;
   const int grid = static_cast<int>(std::min<int64_t>(ctas, max_tiles));
   gemm::grouped_gemm_kernel<kKind><<<grid, GemmConfig::kNumThreads, shared_bytes_of<kKind>(), stream>>>(
@@ -194,7 +194,7 @@ using PingPongKernel = void (*)(CUtensorMap, CUtensorMap, gemm::GroupedGemmArgs)
 void launch_pingpong(PingPongKernel kernel, GemmOperands operands, int64_t max_tiles, int max_ctas,
                      cudaStream_t stream) {
   const GemmDevice& info = gemm_device();
-  operands.args.error_flag = info.error_flag;
+  if (operands.args.error_flag == nullptr) operands.args.error_flag = info.error_flag;
   const int ctas = max_ctas > 0 ? std::min(max_ctas, info.num_sms) : info.num_sms;
   const int grid = static_cast<int>(std::min<int64_t>(ctas, max_tiles));
   kernel<<<grid, GemmConfig::kNumThreads, gemm::kPingPongSharedBytes, stream>>>(operands.a, operands.b0,
@@ -214,6 +214,7 @@ gemm::GroupedGemmArgs base_args(const GroupedRows& rows, int64_t n, int64_t k) {
   args.group_rows = rows.group_rows;
   args.group_active = rows.group_active;
   args.num_groups = rows.num_groups;
+  args.error_flag = rows.error_flag;
   args.max_m_blocks = static_cast<int32_t>(rows.max_rows / GemmConfig::BLOCK_M);
   args.n = static_cast<int32_t>(n);
   args.k = static_cast<int32_t>(k);

@@ -71,7 +71,7 @@ inline WeightGradPlan weight_grad_plan(const ExpertWeights& grads, int64_t inter
 // The shared expert on this rank's own rows: sym_x and sym_d_out, T padded to 128 with zero rows.
 inline MlpBackward shared_mlp_backward(const kernels::layout::WorkspacePointers& p, const BackwardArgs& args,
                                        int max_ctas) {
-  return {{p.token_capacity, p.shared_row_offset, 1, max_ctas},
+  return {{p.token_capacity, p.shared_row_offset, 1, max_ctas, nullptr, nullptr, p.gemm_error()},
           p.shared_intermediate,
           p.local_sym<const void>(p.sym_x),
           p.local_sym<const void>(p.sym_d_out),
@@ -88,7 +88,8 @@ inline MlpBackward shared_mlp_backward(const kernels::layout::WorkspacePointers&
 // The routed experts on the received rows of the forward context (dy pulled by the reverse-combine).
 inline MlpBackward routed_mlp_backward(const kernels::layout::WorkspacePointers& p, const BackwardArgs& args,
                                        int max_ctas) {
-  return {{p.rows_capacity, p.group_row_offset, p.num_local_experts, max_ctas, nullptr, p.group_rows},
+  return {{p.rows_capacity, p.group_row_offset, p.num_local_experts, max_ctas, nullptr, p.group_rows,
+           p.gemm_error()},
           p.intermediate,
           p.x_rows,
           p.dy_rows,

@@ -177,7 +177,8 @@ void launch_macrobatch_forward(GpuWorkspace& workspace, const ForwardArgs& args,
   }
   POUNCE_CUDA(cudaGetLastError());
   if (with_shared && Is > 0 && launch.num_tokens > 0) {  // own rows: sym_x, T padded to 128 with zero rows
-    const kernels::GroupedRows shared{mb.token_capacity, mb.shared_row_offset, 1, overlap.gemm_ctas()};
+    const kernels::GroupedRows shared{
+        mb.token_capacity, mb.shared_row_offset, 1, overlap.gemm_ctas(), nullptr, nullptr, mb.gemm_error()};
     const void* sym_x = mb.local_sym<const void>(mb.sym_x);
     kernels::grouped_gate_up(shared, sym_x, expert_slice(args.shared.gate), expert_slice(args.shared.up),
                              mb.shared_g, mb.shared_u, mb.shared_act, Is, H, activation, stream);
@@ -191,9 +192,9 @@ void launch_macrobatch_forward(GpuWorkspace& workspace, const ForwardArgs& args,
       launch_fp8_expert_forward(mb, *args.routed_fp8, e0, e1, overlap.gemm_ctas(), activation,
                                 /*with_down=*/true, stream);
     } else {
-      const kernels::GroupedRows routed{mb.rows_capacity, mb.group_row_offset + e0,
-                                        e1 - e0,          overlap.gemm_ctas(),
-                                        nullptr,          mb.group_rows + e0};
+      const kernels::GroupedRows routed{
+          mb.rows_capacity, mb.group_row_offset + e0, e1 - e0,        overlap.gemm_ctas(),
+          nullptr,          mb.group_rows + e0,       mb.gemm_error()};
       kernels::grouped_gate_up(routed, mb.x_rows, expert_slice(args.routed.gate, e0),
                                expert_slice(args.routed.up, e0), mb.g_rows, mb.u_rows, mb.act_rows, I, H,
                                activation, stream);

@@ -17,11 +17,11 @@ namespace pounce::gpu_test {
 using reference::bf16_bits_to_float;
 using reference::float_to_bf16_bits;
 
-namespace {
-
 const char* const kOutputNames[kNumOutputs] = {"d_x",         "d_topk_weights", "d_routed.gate",
                                                "d_routed.up", "d_routed.down",  "d_shared.gate",
                                                "d_shared.up", "d_shared.down"};
+
+namespace {
 
 bool is_routed(int output) {
   return output >= kFirstWeightGrad && output < kFirstWeightGrad + 3;

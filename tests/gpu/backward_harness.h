@@ -44,6 +44,7 @@ enum class GradMode { kStoreF32, kStoreBf16, kAccumulateF32 };
 inline constexpr int kNumOutputs = 8;
 inline constexpr int kFirstWeightGrad = 2;
 inline constexpr int kNumWeightGrads = kNumOutputs - kFirstWeightGrad;
+extern const char* const kOutputNames[kNumOutputs];  // "d_x", "d_topk_weights", "d_routed.gate", ...
 
 // One run's outputs as raw bytes (T rows of d_x and d_topk_weights), so equality is bitwise even for NaNs.
 struct Snapshot {

@@ -1,6 +1,6 @@
 // Fault and error paths (docs/design.md §6): each ends in an error the caller can read, never a hang, a trap,
 // a segfault or a write out of bounds, and the next call is clean. An out-of-range expert id (forward:
-// reported, nothing written, raised by pounce::check_errors right after the call; backward: skipped like a
+// reported, out NaN, raised by pounce::check_errors right after the call; backward: skipped like a
 // -1 slot, as the CPU reference is told); a peer that never calls forward (rank 0's barrier wait times out
 // with a record naming the barrier and the peer); a token sending more rows than the smallest macrobatch
 // ring holds (reported, slots poisoned, nothing routed computed); a ring below one expert's rows (rejected
@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -94,6 +95,103 @@ TEST(Faults, CheckErrorsRaisesRightAfterTheFailingCall) {
   EXPECT_EQ(checked_again, "") << "the record must be cleared once raised";
   EXPECT_EQ(after_good, "") << "the valid call after the bad one must run clean";
   EXPECT_EQ(written, 64 * m.shape.hidden) << "the valid call must write every element of out";
+}
+
+// Every element of `bytes` is the NaN the layer writes into a failing call's outputs (bf16 0x7FC0, fp32
+// 0x7FC00000): neither the tests' 0xFF poison nor a computed value.
+bool all_layer_nan(const std::vector<uint8_t>& bytes, size_t element_bytes) {
+  for (size_t i = 0; i < bytes.size(); i += element_bytes) {
+    uint32_t bits = 0;
+    std::memcpy(&bits, bytes.data() + i, element_bytes);
+    if (bits != (element_bytes == 2 ? 0x7FC0u : 0x7FC00000u)) return false;
+  }
+  return !bytes.empty();
+}
+
+// A failing call leaves NaN in every output, whether the failure is its own or that of an earlier call on
+// the stream that nobody checked in between: here a CUDA graph of forward + backward replayed with an
+// out-of-range id in the routing (the forward records it; the backward, replayed right after it, poisons
+// d_x, d_topk_weights and every weight gradient too). Valid replays before and after are finite and clean.
+// On both kernel paths.
+TEST(Faults, FailingCallsLeaveNaNInEveryOutput) {
+  SKIP_UNLESS_GPUS(1);
+  const Model m = make_model(make_shape(64, 128, 64, 4, 2, 0, 1), Activation::swiglu(), 23);
+  Call bad = random_routing({64}, 41);
+  bad.bad_id = 1000;
+  const RankData bad_data = make_rank_data(m.shape, bad, 0);
+  const RankData good_data = make_rank_data(m.shape, random_routing({64}, 42), 0);
+  for (const KernelPath path : {KernelPath::kFused, KernelPath::kStaged}) {
+    SCOPED_TRACE(path == KernelPath::kFused ? "fused kernels" : "staged kernels");
+    Config config;
+    config.kernel_path = config.backward_kernel_path = path;
+    struct Replay {
+      std::string error;
+      std::vector<uint8_t> out;
+      Snapshot grads;
+    };
+    std::vector<Replay> replays;
+    run_ranks(1, [&](const Group& group, int rank) {
+      Workspace workspace(group, m.shape, config);
+      DeviceWeights weights(m, rank, rank);
+      DeviceInputs in(m.shape);
+      DeviceBackward grads(m.shape, rank);
+      cudaStream_t stream;
+      CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      ForwardArgs fwd = in.args(m.shape, 64, false, rank);
+      fwd.routed = weights.routed;
+      const BackwardArgs bwd = grads.args(fwd, 64, GradMode::kStoreF32);
+      in.upload(m.shape, good_data, false, stream);
+      grads.upload_d_out(good_data.d_out, stream);
+      forward(workspace, fwd, stream);  // lazy loading and first-call setup outside the capture
+      backward(workspace, bwd, stream);
+      check_errors(workspace, stream, /*synchronize=*/true);
+      cudaGraph_t captured;
+      cudaGraphExec_t graph;
+      CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      forward(workspace, fwd, stream);
+      backward(workspace, bwd, stream);
+      CUDA_OK(cudaStreamEndCapture(stream, &captured));
+      CUDA_OK(cudaGraphInstantiate(&graph, captured, 0));
+      CUDA_OK(cudaGraphDestroy(captured));
+      for (const RankData* d : {&good_data, &bad_data, &good_data}) {
+        in.upload(m.shape, *d, false, stream);
+        grads.upload_d_out(d->d_out, stream);
+        in.out.poison(stream);
+        grads.prepare(GradMode::kStoreF32, {}, stream);
+        CUDA_OK(cudaGraphLaunch(graph, stream));
+        Replay replay;
+        try {
+          check_errors(workspace, stream, /*synchronize=*/true);
+        } catch (const Error& error) {
+          replay.error = error.what();
+        }
+        replay.out = download<uint8_t>(in.out.ptr, 64 * m.shape.hidden * sizeof(uint16_t));
+        replay.grads = grads.read(GradMode::kStoreF32, 64);
+        replays.push_back(std::move(replay));
+      }
+      CUDA_OK(cudaGraphExecDestroy(graph));
+      CUDA_OK(cudaStreamDestroy(stream));
+    });
+    ASSERT_EQ(replays.size(), 3u);
+    for (int r : {0, 2}) {
+      EXPECT_EQ(replays[r].error, "") << "valid replay " << r;
+      std::vector<uint16_t> out(replays[r].out.size() / 2);
+      std::memcpy(out.data(), replays[r].out.data(), replays[r].out.size());
+      EXPECT_EQ(count_unpoisoned(out.data(), out.data() + out.size()), static_cast<int64_t>(out.size()))
+          << "valid replay " << r << " must write every byte of out";
+      EXPECT_FALSE(all_layer_nan(replays[r].out, 2)) << "valid replay " << r;
+    }
+    const Replay& failed = replays[1];
+    EXPECT_NE(failed.error.find("topk_idx value out of range"), std::string::npos) << failed.error;
+    EXPECT_TRUE(all_layer_nan(failed.out, 2)) << "out of the failing forward";
+    for (int o = 0; o < kNumOutputs; ++o) {
+      if (failed.grads.outputs[o].empty()) continue;
+      EXPECT_TRUE(all_layer_nan(failed.grads.outputs[o], failed.grads.element_bytes[o]))
+          << kOutputNames[o] << " of the backward replayed after the failing forward";
+      EXPECT_FALSE(all_layer_nan(replays[2].grads.outputs[o], replays[2].grads.element_bytes[o]))
+          << kOutputNames[o] << " of the valid replay after it";
+    }
+  }
 }
 
 // The forward reports the bad id and skips that slot; backward then runs like the reference with -1 there,

@@ -396,7 +396,7 @@ def test_functional_api_and_opcheck():
     out = pt.moe(x, idx, weights, *routed, *shared_w, layer=layer)
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     torch.library.opcheck(torch.ops.pounce.moe_forward.default,
-                          (x, idx, weights, *routed, *shared_w, layer),
+                          (x, idx, weights, *routed, *shared_w, layer, []),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
     pt.unregister_layer(layer)
 

@@ -197,7 +197,7 @@ def moe_forward(
     ws_up: Optional[Tensor],
     ws_down: Optional[Tensor],
     layer: int,
-    fp8: Optional[List[Tensor]] = None,
+    fp8: List[Tensor],
 ) -> tuple[Tensor, Tensor]:
     """out [T,H] bf16 and the ticket of this forward's context (see the module docstring). ``fp8``: the
     twelve tensors of the layer's Fp8Cache, for a layer of precision fp8."""
@@ -218,13 +218,15 @@ def moe_forward(
 
 
 @moe_forward.register_fake
-def _moe_forward_fake(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, layer, fp8=None):
+def _moe_forward_fake(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, layer, fp8):
     return _like(x), x.new_empty((1,), dtype=torch.uint8)
 
 
-def _routed_fp8(slot, fp8: Optional[List[Tensor]]):
+def _routed_fp8(slot, fp8: List[Tensor]):
     """The (data, scale) pairs for pounce's ``routed_fp8=``, after checking that the layer's precision wants
-    them (the C++ layer would accept and ignore them on a bf16 layer)."""
+    them (the C++ layer would accept and ignore them on a bf16 layer). ``fp8`` empty: none given (the ops
+    take a list, not an optional one: torch < 2.12's schema inference has no ``Tensor[]?``)."""
+    fp8 = fp8 or None
     is_fp8 = slot.workspace.config.precision == pounce.Precision.fp8
     if is_fp8 and fp8 is None:
         raise pounce.PounceError(
@@ -287,10 +289,10 @@ def moe_backward(
     ticket: Tensor,
     layer: int,
     weight_grad_dtype: torch.dtype,
-    routed_grads: bool = True,
-    shared_grads: bool = True,
-    fused_gate_up: bool = False,
-    fp8: Optional[List[Tensor]] = None,
+    routed_grads: bool,
+    shared_grads: bool,
+    fused_gate_up: bool,
+    fp8: List[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down); the weight
     gradients in ``weight_grad_dtype`` (bf16 or fp32). A set without gradients (no shared expert,
@@ -309,7 +311,7 @@ def moe_backward(
 @moe_backward.register_fake
 def _moe_backward_fake(
     d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, ticket, layer,
-    weight_grad_dtype, routed_grads=True, shared_grads=True, fused_gate_up=False, fp8=None,
+    weight_grad_dtype, routed_grads, shared_grads, fused_gate_up, fp8,
 ):
     shared = _shared(ws_gate, ws_up, ws_down)
     d_routed = _fake_grad_set((w_gate, w_up, w_down), weight_grad_dtype, wanted=routed_grads, fused=fused_gate_up)
@@ -340,7 +342,7 @@ def moe_backward_accumulate(
     main_ws_gate: Optional[Tensor],
     main_ws_up: Optional[Tensor],
     main_ws_down: Optional[Tensor],
-    fp8: Optional[List[Tensor]] = None,
+    fp8: List[Tensor],
 ) -> tuple[Tensor, Tensor]:
     """(d_x, d_topk_weights); the weight gradients are added into the fp32 ``main_*`` tensors
     (Megatron-style main_grad) instead of being returned. ``main_w_up`` None: ``main_w_gate`` is the
@@ -438,7 +440,7 @@ class MoEFunction(torch.autograd.Function):
         ctx, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, layer, main_grads,
         fused_gate_up, fp8_cache=None,
     ):
-        fp8 = None
+        fp8 = []
         if fp8_cache is not None:
             fp8 = list(fp8_cache.tensors)
             if fused_gate_up:
