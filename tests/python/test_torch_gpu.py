@@ -118,7 +118,7 @@ def step(module, x, idx, weights, d_out, fn=None):
     module.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_()
     weights = weights.clone().requires_grad_()
-    out = (fn or module)(x, idx, weights)
+    out = (fn if fn is not None else module)(x, idx, weights)  # not `or`: bool() calls MoE.__len__
     (out.float() * d_out.float()).sum().backward()
     grads = [p.grad for p in module.parameters()]
     return [out.detach(), x.grad, weights.grad] + grads
