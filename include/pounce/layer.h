@@ -61,9 +61,10 @@ void recompute_forward_context(Workspace& workspace, const ForwardArgs& args, vo
 // Raises the device-side failure that earlier calls on this workspace recorded (a bounded wait on a peer
 // timed out, a topk_idx value out of range, a schedule or macrobatch overflow) as pounce::Error naming the
 // wait or the argument with its counters, and clears the record. The failing call's outputs are NaN (and so
-// are those of calls queued behind it before the record was cleared: docs/reliability.md). GPU kernels record a failure instead of
-// trapping, so the call that launched them cannot throw it; every call checks on entry, so it surfaces at
-// the next call on the workspace at the latest, and this check lets a step end on it instead.
+// are those of calls queued behind it before the record was cleared: docs/reliability.md). GPU kernels record
+// a failure instead of trapping, so the call that launched them cannot throw it; every call checks on entry,
+// so it surfaces at the next call on the workspace at the latest, and this check lets a step end on it
+// instead.
 //   synchronize = false (the default): one read of host-mapped memory, no CUDA call, nothing waited for
 //     (cheap enough for every step; legal while `stream` is being captured into a CUDA graph). It sees the
 //     failures of calls whose kernels have ended: a call just launched may still be running, and its
