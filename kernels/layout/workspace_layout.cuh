@@ -484,8 +484,8 @@ struct WorkspacePointers {
     return has_ring() ? macrobatch_owned + b * num_local_experts : nullptr;
   }
   // The workspace's GEMM error word (a gemm::WaitError): the fused kernels' stage ring and every staged GEMM
-  // record a bounded wait that ran out here; the call's last launch (poison_on_error.cuh) turns a staged one
-  // into the error record.
+  // record a bounded wait that ran out here; the call's last launch (common/finish_call.cuh) turns a staged
+  // one into the error record.
   POUNCE_HOST_DEVICE int32_t* gemm_error() const {
     return reinterpret_cast<int32_t*>(fused_counters + kFusedGemmError);
   }

@@ -21,13 +21,15 @@ void add_span(kernels::common::PoisonSpans& spans, const TensorView& view) {
   if (view.is_dense()) {
     span.blocks = 1;
     span.block_bytes = span.block_stride_bytes = view.bytes();
-    return;
+  } else {
+    POUNCE_CHECK(view.rank() == 3 && view.stride(2) == 1 && view.stride(1) == view.shape[2],
+                 "internal: a strided output that is not half of a fused gate_up tensor");
+    span.blocks = view.shape[0];
+    span.block_bytes = view.shape[1] * view.shape[2] * span.element_bytes;
+    span.block_stride_bytes = view.stride(0) * span.element_bytes;
   }
-  POUNCE_CHECK(view.rank() == 3 && view.stride(2) == 1 && view.stride(1) == view.shape[2],
-               "internal: a strided output that is not half of a fused gate_up tensor");
-  span.blocks = view.shape[0];
-  span.block_bytes = view.shape[1] * view.shape[2] * span.element_bytes;
-  span.block_stride_bytes = view.stride(0) * span.element_bytes;
+  POUNCE_CHECK(span.block_bytes % 4 == 0 && span.block_stride_bytes % 4 == 0, "internal: a poison run of ",
+               span.block_bytes, " bytes is not whole 4-byte words");
 }
 
 void add_weights(kernels::common::PoisonSpans& spans, const ExpertWeights& weights) {
