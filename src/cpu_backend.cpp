@@ -13,8 +13,12 @@
 #include "src/cpu_backend.h"
 
 #include <algorithm>
+#include <limits>
+#include <stdexcept>
+#include <string>
 #include <utility>
 
+#include "kernels/layout/workspace_layout.cuh"
 #include "pounce/error.h"
 #include "reference/bf16.h"
 
@@ -65,6 +69,58 @@ void store(const std::vector<double>& values, const TensorView& view, bool accum
       view.as<float>()[at] = static_cast<float>(values[i]);
     }
   }
+}
+
+// A failed call's outputs, as the GPU backend leaves them (kernels/common/finish_call.cuh): NaN everywhere,
+// so nothing trains on stale values. Accumulated gradients (main_grad) too.
+void fill_nan(const TensorView& view) {
+  if (view.is_none()) return;
+  for (int64_t i = 0; i < view.numel(); ++i) {
+    const int64_t at = view.offset_of(i);
+    if (view.dtype == DType::kBF16) {
+      view.as<uint16_t>()[at] = 0x7FC0;
+    } else {
+      view.as<float>()[at] = std::numeric_limits<float>::quiet_NaN();
+    }
+  }
+}
+
+void fill_nan(const ExpertWeights& grads) {
+  for (const TensorView* view :
+       {&grads.gate, &grads.up, &grads.down, &grads.b_gate, &grads.b_up, &grads.b_down})
+    fill_nan(*view);
+}
+
+// The GPU's macrobatch ring holds whole experts (kernels/sched/macrobatch_plan.cuh): an expert whose padded
+// rows exceed it, which only a token naming that expert in several slots can cause, fails the call there
+// with the routed experts computing nothing. The CPU backend fails the same calls with the same message, so
+// a routing that runs here runs on GPUs. "" when the routing fits (or there is no ring).
+std::string macrobatch_overflow(const WorkspaceState& state,
+                                const std::vector<reference::RankInputs>& inputs) {
+  const Shape& s = state.shape;
+  const auto layout = kernels::layout::WorkspaceLayout::make(s.max_tokens, s.hidden, s.intermediate,
+                                                             s.shared_intermediate, s.num_experts, s.num_topk,
+                                                             s.num_ranks, state.config.macrobatch_size);
+  if (layout.ring_rows >= layout.rows_capacity) return "";
+  std::vector<int64_t> rows(s.num_experts, 0);
+  for (const reference::RankInputs& rank : inputs)
+    for (const int32_t expert : rank.topk_idx)
+      if (expert >= 0 && expert < s.num_experts) ++rows[expert];
+  const int64_t El = s.num_local_experts();
+  for (int64_t owner = 0; owner < s.num_ranks; ++owner) {
+    int64_t largest = 0, largest_expert = 0;  // the first expert with the most rows, as the GPU plan picks
+    for (int64_t e = 0; e < El; ++e) {
+      const int64_t padded = kernels::layout::round_up(rows[owner * El + e], kernels::layout::kBlockM);
+      if (padded > largest) largest = padded, largest_expert = e;
+    }
+    if (largest > layout.ring_rows)
+      return "macrobatch overflow on rank " + std::to_string(owner) + ": local expert " +
+             std::to_string(largest_expert) + " receives " + std::to_string(largest) +
+             " rows (padded) but config.macrobatch_size is " + std::to_string(layout.ring_rows) +
+             "; a token names the same expert in several slots. The routed experts computed nothing in this "
+             "call; raise macrobatch_size (0 = the worst case) or give every token distinct experts";
+  }
+  return "";
 }
 
 reference::Problem make_problem(const WorkspaceState& state) {
@@ -128,9 +184,10 @@ uint64_t exchange_arguments(WorkspaceState& state, CpuPost post, std::vector<ref
 }
 
 // Round "results": rank 0 runs `evaluate(results)` for the group and posts it; every rank takes its part
-// with take(results) and rethrows the group's failure.
-template <typename Evaluate, typename Take>
-void exchange_results(WorkspaceState& state, CpuCall call, Evaluate&& evaluate, Take&& take) {
+// with take(results), or on the group's failure runs fail() (NaN outputs) and rethrows it. A round that
+// never completes (a peer gone) throws without touching anything.
+template <typename Evaluate, typename Take, typename Fail>
+void exchange_results(WorkspaceState& state, CpuCall call, Evaluate&& evaluate, Take&& take, Fail&& fail) {
   CpuGroup& group = group_of(state);
   const int rank = state.group.rank();
   CpuPost post;
@@ -147,8 +204,10 @@ void exchange_results(WorkspaceState& state, CpuCall call, Evaluate&& evaluate, 
                             group_error = posts[0].group_error;
                             if (group_error.empty()) take(posts[0]);
                           });
-  if (!group_error.empty())
+  if (!group_error.empty()) {
+    fail();
     throw Error(std::string(to_string(call)) + " failed on the group: " + group_error);
+  }
 }
 
 CpuPost record_of(const WorkspaceState& state, CpuCall call, int64_t num_tokens, const std::string& error) {
@@ -236,12 +295,18 @@ void forward(WorkspaceState& state, const ForwardArgs& args, const std::string& 
   reference::Weights shared;
   exchange_arguments(state, std::move(post), &inputs, &routed, &shared);
   reference::RankForward mine;
+  state.cpu_context.valid = false;  // until this call's context is in
   exchange_results(
       state, call,
       [&](CpuPost& results) {
+        const std::string overflow = macrobatch_overflow(state, inputs);
+        if (!overflow.empty()) throw std::runtime_error(overflow);  // the group's failure, posted as is
         results.forward = reference::forward(make_problem(state), inputs, routed, shared);
       },
-      [&](CpuPost& results) { mine = std::move(results.forward[state.group.rank()]); });
+      [&](CpuPost& results) { mine = std::move(results.forward[state.group.rank()]); },
+      [&] {
+        if (write_out) fill_nan(args.out);
+      });
   if (write_out) store(mine.out, args.out);
   state.cpu_context.valid = true;
   state.cpu_context.num_tokens = num_tokens;
@@ -272,7 +337,13 @@ void backward(WorkspaceState& state, const BackwardArgs& args, const std::string
       [&](CpuPost& results) {
         results.gradients = reference::backward(make_problem(state), inputs, routed, shared);
       },
-      [&](CpuPost& results) { mine = std::move(results.gradients[state.group.rank()]); });
+      [&](CpuPost& results) { mine = std::move(results.gradients[state.group.rank()]); },
+      [&] {
+        fill_nan(args.d_x);
+        fill_nan(args.d_topk_weights);
+        fill_nan(args.d_routed);
+        if (state.shape.has_shared_expert()) fill_nan(args.d_shared);
+      });
   store(mine.d_x, args.d_x);
   store(mine.d_topk_weights, args.d_topk_weights);
   store(mine.d_routed.gate, args.d_routed.gate, args.accumulate_weight_grads);

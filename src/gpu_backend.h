@@ -30,6 +30,8 @@ using GpuWorkspacePtr = std::unique_ptr<GpuWorkspace, void (*)(GpuWorkspace*)>;
 GpuWorkspacePtr create_workspace(std::shared_ptr<GpuGroup> group, int rank, const Shape& shape,
                                  const Config& config, const Environment& environment);
 
+int device_of(const GpuWorkspace& workspace);  // the CUDA device index its memory and kernels are on
+
 void forward(GpuWorkspace& workspace, const ForwardArgs& args, void* stream);
 void backward(GpuWorkspace& workspace, const BackwardArgs& args, void* stream);
 void recompute_forward_context(GpuWorkspace& workspace, const ForwardArgs& args, void* stream);
@@ -61,6 +63,11 @@ struct ForwardContextView {
                           // last macrobatch's rows, ring-relative)
 };
 ForwardContextView forward_context(const GpuWorkspace& workspace);
+// Tests' fault injection: the next forward, recompute_forward_context or backward on `workspace` fails wait
+// `wait_id` (a kernels::layout::WaitId, 1 to 16) wherever it uses it, at once, as if the wait's bound had run
+// out; the record, the error raised and the NaN outputs are those of a real timeout. The call after it runs
+// clean. Meant for eager calls: a CUDA graph captured by that call keeps the failure in every replay.
+void inject_wait_failure(GpuWorkspace& workspace, int32_t wait_id);
 // Switches the forward path of an existing workspace (tests compare fused and staged on one workspace).
 void set_kernel_path(GpuWorkspace& workspace, KernelPath path);
 

@@ -71,9 +71,7 @@ struct WorkspaceState {
   Shape shape;
   Config config;
   Environment environment;
-  // The device its tensors must be on: 0 on the CPU backend; on GPUs -1 (the call's tensors are then checked
-  // against each other).
-  // TODO(#29): the GPU workspace's device once src/gpu_backend.h exposes it.
+  // The device index its tensors must be on: 0 on the CPU backend, the workspace's GPU on GPUs.
   int device_id = 0;
   uint64_t cpu_id = 0;  // CPU backend: the group round that created it, the same on every rank
   CpuForwardContext cpu_context;

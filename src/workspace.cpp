@@ -33,8 +33,8 @@ Workspace::Workspace(const Group& group, const Shape& shape, const Config& confi
   }
   check_workspace_args(group, shape, config);
   state_ = std::make_unique<WorkspaceState>(group, shape, config);
-  state_->device_id = -1;
   state_->gpu = gpu::create_workspace(group.state().gpu, group.rank(), shape, config, state_->environment);
+  state_->device_id = gpu::device_of(*state_->gpu);
 }
 
 Workspace::~Workspace() = default;

@@ -24,11 +24,11 @@ struct Config {
   int forward_comm_sms = 0;    // SMs that move tokens in the forward kernel; 0 = heuristic
   int backward_comm_sms = 0;   // same for the backward kernel
   int64_t minibatch_size = 0;  // rows per dispatch->GEMM handoff counter; 0 = heuristic
-  // Rows of the routed activation ring; 0 = the dropless worst case (R * max_tokens * min(k, El) rows,
-  // padded). Smaller saves memory: the routed experts then run in macrobatches of whole experts and the
-  // backward replays all but the last (docs/design.md, "Macrobatch ring"). At least round_up(R * max_tokens,
-  // 128), the rows one expert can receive when every token names distinct experts; a token naming one expert
-  // in several slots may need more (the call then fails with a clear error instead of dropping rows).
+  // Rows of the routed activation ring; 0 = the dropless worst case (R * max_tokens * k rows, padded).
+  // Smaller saves memory: the routed experts then run in macrobatches of whole experts and the backward
+  // replays all but the last (docs/design.md, "Macrobatch ring"). At least round_up(R * max_tokens, 128), the
+  // rows one expert can receive when every token names distinct experts; a token naming one expert in several
+  // slots may need more (the call then fails with a clear error, NaN outputs, on every backend).
   int64_t macrobatch_size = 0;
   Activation activation;
   // kFP8: block-scaled FP8 routed experts (docs/design.md §1); pass ForwardArgs::routed_fp8. On GPUs FP8 runs

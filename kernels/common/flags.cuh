@@ -137,15 +137,26 @@ __device__ __forceinline__ bool wait_for_peer(const layout::WorkspacePointers& w
   return false;
 }
 
+// Tests' fault injection (WorkspacePointers::injected_wait): the barrier `which` fails as a peer that never
+// arrived would make it fail (the next rank, or this one when alone; one rank has no peer to wait for, so
+// its callers run the barrier only when injected). The arrivals still go out: peers see this rank.
+__device__ __forceinline__ bool injected_barrier_failure(const layout::WorkspacePointers& ws,
+                                                         layout::WaitId which, uint32_t epoch) {
+  if (!ws.injects(which)) return false;
+  record_error(ws, layout::DeviceErrorCode::kWaitTimeout, static_cast<int32_t>(which),
+               (ws.rank + 1) % ws.num_ranks, epoch, epoch - 1);
+  return true;
+}
+
 // Called by one whole block; threads [0, R) handle one peer each. Every store the calling rank made
 // before the call (earlier kernels in stream order included) is visible to every peer after its own
 // call returns, and vice versa. Returns false (and records the error) when a peer did not arrive.
 __device__ __forceinline__ bool phase_barrier_block(const layout::WorkspacePointers& ws,
                                                     layout::WaitId which) {
   __shared__ int timed_out;
-  if (threadIdx.x == 0) timed_out = 0;
-  __syncthreads();
   const uint32_t epoch = *ws.barrier_epoch + 1;
+  if (threadIdx.x == 0) timed_out = injected_barrier_failure(ws, which, epoch) ? 1 : 0;
+  __syncthreads();
   const int peer = static_cast<int>(threadIdx.x);
   if (peer < ws.num_ranks && peer != ws.rank) {
     arrive_at_peer(ws, peer, epoch);
@@ -166,7 +177,7 @@ __device__ __forceinline__ bool phase_barrier_warp(const layout::WorkspacePointe
   for (int peer = lane; peer < ws.num_ranks; peer += 32) {
     if (peer != ws.rank) arrive_at_peer(ws, peer, epoch);
   }
-  bool arrived = true;
+  bool arrived = !(lane == 0 && injected_barrier_failure(ws, which, epoch));
   for (int peer = lane; peer < ws.num_ranks; peer += 32) {
     if (peer != ws.rank) arrived = wait_for_peer(ws, peer, epoch, which) && arrived;
   }

@@ -108,6 +108,10 @@ __device__ __forceinline__ bool wait_count(const layout::WorkspacePointers& ws, 
                                            uint32_t expected, layout::WaitId which, int64_t index,
                                            uint64_t timeout_ns = 0) {
   const uint32_t* abort = counters_of(ws).abort();
+  if (ws.injects(which)) {  // tests: as if the bound ran out at once
+    if (flags::ld_relaxed_gpu(abort) == 0) fail(ws, which, index, expected, flags::ld_relaxed_gpu(count));
+    return false;
+  }
   const uint32_t observed =
       flags::wait_count_gpu(count, expected, abort, timeout_ns > 0 ? timeout_ns : ws.timeout_ns);
   if (observed >= expected) return true;
@@ -378,7 +382,8 @@ __device__ __forceinline__ bool hand_over(const layout::WorkspacePointers& ws, T
                                           uint32_t i, const TaskT& task) {
   const uint32_t s = i % kTaskSlots;
   const uint32_t phase = (i / kTaskSlots) & 1;
-  if (!kernels::ptx::mbarrier_wait_parity_bounded(&slots.empty[s], phase ^ 1, ws.timeout_ns)) {
+  if (ws.injects(layout::WaitId::kFusedTaskHandoff) ||  // tests: as if the consumers never freed it
+      !kernels::ptx::mbarrier_wait_parity_bounded(&slots.empty[s], phase ^ 1, ws.timeout_ns)) {
     fail(ws, layout::WaitId::kFusedTaskHandoff, s, 1, 0);
     return false;
   }

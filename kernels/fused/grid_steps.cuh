@@ -113,7 +113,8 @@ __device__ __forceinline__ bool cta_routing_barrier(const layout::WorkspacePoint
     *ws.barrier_epoch = base + 2;  // read by the combine barrier's warp after the step's release
   }
   base = __shfl_sync(0xffffffffu, base, 0);
-  return ws.num_ranks == 1 || flags::phase_barrier_warp(ws, layout::WaitId::kRoutingBarrier, base + 1);
+  const bool alone = ws.num_ranks == 1 && !ws.injects(layout::WaitId::kRoutingBarrier);
+  return alone || flags::phase_barrier_warp(ws, layout::WaitId::kRoutingBarrier, base + 1);
 }
 
 // Every CTA, all threads, before the roles: stage x, exchange the routing, build the schedule. `scratch` is
@@ -191,7 +192,8 @@ __device__ __forceinline__ void finish_forward(const layout::WorkspacePointers& 
   go = __shfl_sync(0xffffffffu, go, 0);
   epoch = __shfl_sync(0xffffffffu, epoch, 0);
   bool ok = go != 0;
-  if (ok && ws.num_ranks > 1) ok = flags::phase_barrier_warp(ws, layout::WaitId::kCombineBarrier, epoch);
+  const bool alone = ws.num_ranks == 1 && !ws.injects(layout::WaitId::kCombineBarrier);
+  if (ok && !alone) ok = flags::phase_barrier_warp(ws, layout::WaitId::kCombineBarrier, epoch);
   if (lane == 0) release_step(ws, layout::kStepFinished, ok);
 }
 

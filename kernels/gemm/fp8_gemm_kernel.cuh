@@ -167,7 +167,8 @@ __device__ __forceinline__ void run_fp8_producer(Fp8SharedStorage& ss, const Fp8
     for (int pass = 0; pass < passes; ++pass)
       for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
         const int32_t col0 = tile.n_block * C::BLOCK_N + 64 * pass;
-        if (!ptx::mbarrier_wait_parity_bounded(&ss.empty[ring.stage], ring.phase ^ 1, C::kWaitTimeoutNs)) {
+        if (args.common.inject_failure != 0 ||
+            !ptx::mbarrier_wait_parity_bounded(&ss.empty[ring.stage], ring.phase ^ 1, C::kWaitTimeoutNs)) {
           record_error(args.common.error_flag, WaitError::kEmptyStage);
           return;
         }
@@ -285,7 +286,8 @@ __device__ __forceinline__ bool multiply_fp8_tile(const Fp8RingAddresses& ring_a
       scale_b0 = __ldg(scale_b0_at++);
       scale_b1 = __ldg(scale_b1_at++);
     }
-    if (!ptx::mbarrier_wait_parity_bounded_at(ring_at.full(ring.stage), ring.phase, C::kWaitTimeoutNs)) {
+    if (args.common.inject_failure != 0 ||
+        !ptx::mbarrier_wait_parity_bounded_at(ring_at.full(ring.stage), ring.phase, C::kWaitTimeoutNs)) {
       record_error(args.common.error_flag, WaitError::kFullStage);
       return false;
     }

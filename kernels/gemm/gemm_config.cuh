@@ -111,7 +111,8 @@ struct GroupedGemmArgs {
   const int32_t* group_active;  // kReduction: [num_groups], 0 = leave that group's output alone; null = all
   WeightGradMode weight_grad_mode;
   ActivationParams activation;
-  int32_t* error_flag;  // first WaitError recorded by any CTA
+  int32_t* error_flag;     // first WaitError recorded by any CTA
+  int32_t inject_failure;  // tests: non-zero, every stage-ring wait fails at once (GroupedRows)
 };
 
 // The outputs of one GEMM as TMA store targets, boxes of 64 rows x 64 columns (128-byte swizzled): C

@@ -27,6 +27,9 @@ struct GroupedRows {
   // Device int32 where a bounded wait that ran out records its gemm::WaitError (first one wins); null = the
   // device's global word (grouped_gemm_error_code). The layer passes its workspace's word.
   int32_t* error_flag = nullptr;
+  // Tests' fault injection (gpu::inject_wait_failure): non-zero makes every stage-ring wait of the GEMM fail
+  // at once, as a ring whose bound ran out would (the error flag then holds that WaitError).
+  int32_t inject_failure = 0;
 };
 
 struct ActivationParams {

@@ -160,7 +160,8 @@ __device__ __forceinline__ bool produce_tile(SharedStorage& ss, Ring& ring, cons
   const uint32_t bytes = (kKind.a == Major::kMN ? a_boxes * C::kBoxBytes : C::kStageBytesA) +
                          (kKind.b == Major::kMN ? b_boxes * C::kBoxBytes : C::kStageBytesB);
   for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
-    if (!ptx::mbarrier_wait_parity_bounded(&ss.empty[ring.stage], ring.phase ^ 1, C::kWaitTimeoutNs)) {
+    if (args.inject_failure != 0 ||
+        !ptx::mbarrier_wait_parity_bounded(&ss.empty[ring.stage], ring.phase ^ 1, C::kWaitTimeoutNs)) {
       record_error(args.error_flag, WaitError::kEmptyStage);
       return false;
     }
@@ -546,7 +547,8 @@ __device__ __forceinline__ bool multiply_k_blocks(SharedStorage& ss, Ring& ring,
   constexpr bool kZeroRows = kCols == 0 && kKind.grouping == Grouping::kRows;
   uint32_t prev_stage = 0;
   for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
-    if (!ptx::mbarrier_wait_parity_bounded(&ss.full[ring.stage], ring.phase, C::kWaitTimeoutNs)) {
+    if (args.inject_failure != 0 ||
+        !ptx::mbarrier_wait_parity_bounded(&ss.full[ring.stage], ring.phase, C::kWaitTimeoutNs)) {
       ptx::wgmma_wait_group<0>();  // leave no wgmma in flight behind
       record_error(args.error_flag, WaitError::kFullStage);
       return false;

@@ -74,7 +74,8 @@ __device__ __forceinline__ void init_pingpong_ring(PingPongStorage& ss) {
 __device__ __forceinline__ PingPongStorage::Stage* claim_pingpong_stage(
     PingPongStorage& ss, const StageRing<PingPongConfig::kStages>& ring, int owner, uint32_t bytes,
     const GroupedGemmArgs& args, uint64_t*& full) {
-  if (!ptx::mbarrier_wait_parity_bounded(&ss.empty[ring.stage], ring.phase ^ 1, GemmConfig::kWaitTimeoutNs)) {
+  if (args.inject_failure != 0 ||
+      !ptx::mbarrier_wait_parity_bounded(&ss.empty[ring.stage], ring.phase ^ 1, GemmConfig::kWaitTimeoutNs)) {
     record_error(args.error_flag, WaitError::kEmptyStage);
     return nullptr;
   }
@@ -174,7 +175,8 @@ __device__ __forceinline__ bool multiply_pingpong_k_blocks(PingPongStorage& ss,
   for (int32_t kb = kb_begin; kb < kb_end; ++kb) {
     const uint32_t parity = (full_phases >> ring.stage) & 1u;
     full_phases ^= 1u << ring.stage;
-    if (!ptx::mbarrier_wait_parity_bounded(&ss.full[consumer_idx][ring.stage], parity, C::kWaitTimeoutNs)) {
+    if (args.inject_failure != 0 ||
+        !ptx::mbarrier_wait_parity_bounded(&ss.full[consumer_idx][ring.stage], parity, C::kWaitTimeoutNs)) {
       ptx::wgmma_wait_group<0>();
       record_error(args.error_flag, WaitError::kFullStage);
       return false;

@@ -53,7 +53,7 @@ enum class DeviceErrorCode : int32_t {
   kNone = 0,
   kWaitTimeout = 1,         // a bounded spin-wait expired: which wait, rank, peer, expected, observed
   kExpertOutOfRange = 2,    // topk_idx value out of range: source rank, token, slot, value
-  kScheduleOverflow = 3,    // more rows than rows_capacity (duplicate expert ids within a token)
+  kScheduleOverflow = 3,    // more rows than rows_capacity (no routing gets there: a defence only)
   kMacrobatchOverflow = 4,  // an expert's rows exceed the ring (duplicate expert ids within a token)
 };
 enum class WaitId : int32_t {
@@ -194,7 +194,7 @@ struct WorkspaceLayout {
   bool fp8 = false;  // Precision::kFP8: the FP8 regions below are sized (0 bytes otherwise)
 
   // Derived extents.
-  int64_t rows_capacity = 0;   // round_up(R * max_tokens * min(k, El) + El * (BLOCK_M - 1), BLOCK_M)
+  int64_t rows_capacity = 0;   // round_up(R * max_tokens * k + El * (BLOCK_M - 1), BLOCK_M)
   int64_t token_capacity = 0;  // round_up(max_tokens, BLOCK_M): shared-expert rows, T padded
   int64_t routing_stride = 0;  // round_up(max_tokens * k, 4) int32 entries per source rank
   int64_t max_chunks = 0;      // ceil(max_tokens * k / kScheduleChunk), at least 1
@@ -288,7 +288,9 @@ struct WorkspaceLayout {
     const int64_t R = num_ranks, El = l.num_local_experts, k = num_topk, H = hidden, I = intermediate;
     const int64_t Is = shared_intermediate;
 
-    l.rows_capacity = round_up(R * max_tokens * min_i64(k, El) + El * (kBlockM - 1), kBlockM);
+    // k rows per token, even where El < k: a token naming one expert in several slots is computed as the CPU
+    // backend computes it, never dropped (min(k, El), enough for distinct ids, saved memory only there).
+    l.rows_capacity = round_up(R * max_tokens * k + El * (kBlockM - 1), kBlockM);
     l.token_capacity = round_up(max_tokens, kBlockM);
     l.routing_stride = round_up(max_tokens * k, 4);
     l.max_chunks =
@@ -397,6 +399,9 @@ struct WorkspacePointers {
   int32_t max_macrobatches;  // 1 without a ring
   uint64_t timeout_ns;       // bound of every spin-wait
   int32_t profile_tiles;     // 1: the fused kernels fill kFusedTileProfile (POUNCE_PROFILE_STAGES)
+  // Tests' fault injection (gpu::inject_wait_failure): the WaitId that fails at once wherever this call
+  // uses it, as if its bound had run out; 0 = none.
+  int32_t injected_wait;
 
   char* symmetric;            // this rank's symmetric base
   const uint64_t* peer_base;  // [R]
@@ -489,6 +494,9 @@ struct WorkspacePointers {
   POUNCE_HOST_DEVICE int32_t* gemm_error() const {
     return reinterpret_cast<int32_t*>(fused_counters + kFusedGemmError);
   }
+  POUNCE_HOST_DEVICE bool injects(WaitId which) const { return injected_wait == static_cast<int32_t>(which); }
+  // GroupedRows::inject_failure of this call's staged GEMMs.
+  POUNCE_HOST_DEVICE int32_t gemm_failure_injected() const { return injects(WaitId::kStagedGemm) ? 1 : 0; }
 };
 
 }  // namespace pounce::kernels::layout

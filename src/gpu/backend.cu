@@ -233,6 +233,7 @@ kernels::layout::WorkspacePointers GpuWorkspace::pointers() const {
   p.max_chunks = l.max_chunks;
   p.timeout_ns = timeout_ns;
   p.profile_tiles = profile_stages ? 1 : 0;
+  p.injected_wait = injected_wait;
   p.symmetric = static_cast<char*>(symmetric);
   p.peer_base = static_cast<const uint64_t*>(at(l.loc_peer_base));
   p.sym_barrier_inbox = l.sym_barrier_inbox;
@@ -575,8 +576,8 @@ void check_device_errors(GpuWorkspace& workspace) {
       break;
     case kernels::layout::DeviceErrorCode::kScheduleOverflow:
       out << "receive schedule overflow on rank " << copy.rank << ": the routing needs " << copy.observed
-          << " rows but the worst case for distinct expert ids per token is " << copy.expected
-          << "; a token names the same expert in several slots (rows beyond the capacity were dropped)";
+          << " rows but the worst case (k rows per token, padded) is " << copy.expected
+          << "; no routing can get there: a fault of the schedule (rows beyond the capacity were dropped)";
       break;
     case kernels::layout::DeviceErrorCode::kMacrobatchOverflow:
       out << "macrobatch overflow on rank " << copy.rank << ": local expert " << copy.token << " receives "
@@ -620,6 +621,17 @@ ForwardContextView forward_context(const GpuWorkspace& workspace) {
   return view;
 }
 
+int device_of(const GpuWorkspace& workspace) {
+  return workspace.device;
+}
+
+void inject_wait_failure(GpuWorkspace& workspace, int32_t wait_id) {
+  POUNCE_CHECK(wait_id >= static_cast<int32_t>(kernels::layout::WaitId::kRoutingBarrier) &&
+                   wait_id <= static_cast<int32_t>(kernels::layout::WaitId::kStagedGemm),
+               "inject_wait_failure: wait_id = ", wait_id, " is not a kernels::layout::WaitId (1 to 16)");
+  workspace.injected_wait = wait_id;
+}
+
 void set_kernel_path(GpuWorkspace& workspace, KernelPath path) {
   workspace.config.kernel_path = path;
 }
@@ -648,10 +660,17 @@ void launch_forward(GpuWorkspace& workspace, const ForwardArgs& args, cudaStream
 int64_t num_tokens_of(const ForwardArgs& args) {
   return args.x.shape.empty() ? 0 : args.x.shape[0];
 }
+
+// An injected wait failure (tests) applies to one call: the one this guard's scope holds.
+struct InjectionSpent {
+  GpuWorkspace& workspace;
+  ~InjectionSpent() { workspace.injected_wait = 0; }
+};
 }  // namespace
 
 void forward(GpuWorkspace& workspace, const ForwardArgs& args, void* stream) {
   check_forward_supported(workspace);
+  const InjectionSpent spent{workspace};
   workspace.context_tokens = -1;  // a launch that throws halfway leaves no usable context behind
   launch_forward(workspace, args, static_cast<cudaStream_t>(stream), /*write_out=*/true);
   launch_finish_forward(workspace, args, /*write_out=*/true, static_cast<cudaStream_t>(stream));
@@ -660,6 +679,7 @@ void forward(GpuWorkspace& workspace, const ForwardArgs& args, void* stream) {
 
 void recompute_forward_context(GpuWorkspace& workspace, const ForwardArgs& args, void* stream) {
   check_forward_supported(workspace);
+  const InjectionSpent spent{workspace};
   workspace.context_tokens = -1;
   launch_forward(workspace, args, static_cast<cudaStream_t>(stream), /*write_out=*/false);
   launch_finish_forward(workspace, args, /*write_out=*/false, static_cast<cudaStream_t>(stream));
@@ -668,6 +688,7 @@ void recompute_forward_context(GpuWorkspace& workspace, const ForwardArgs& args,
 
 void backward(GpuWorkspace& workspace, const BackwardArgs& args, void* stream) {
   check_forward_supported(workspace);
+  const InjectionSpent spent{workspace};
   POUNCE_CHECK(workspace.context_tokens >= 0,
                "backward called before forward (or recompute_forward_context) on this workspace; run forward "
                "first");

@@ -120,6 +120,7 @@ gemm::Fp8GemmArgs grouped_args(const GroupedRows& rows, int64_t n) {
   args.common.group_rows = rows.group_rows;
   args.common.num_groups = rows.num_groups;
   args.common.error_flag = rows.error_flag;
+  args.common.inject_failure = rows.inject_failure;
   args.common.group_active = rows.group_active;
   args.common.max_m_blocks = static_cast<int32_t>(rows.max_rows / Fp8GemmConfig::BLOCK_M);
   args.common.n = static_cast<int32_t>(n);

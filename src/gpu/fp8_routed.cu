@@ -24,8 +24,8 @@ kernels::Fp8Rows fp8_rows(const uint8_t* data, const float* scale,
 
 // Local experts [e0, e1) of `mb` as the GEMMs take them.
 kernels::GroupedRows chunk_rows(const kernels::layout::WorkspacePointers& mb, int e0, int e1, int max_ctas) {
-  return {mb.rows_capacity, mb.group_row_offset + e0, e1 - e0,        max_ctas,
-          nullptr,          mb.group_rows + e0,       mb.gemm_error()};
+  return {mb.rows_capacity, mb.group_row_offset + e0, e1 - e0,         max_ctas,
+          nullptr,          mb.group_rows + e0,       mb.gemm_error(), mb.gemm_failure_injected()};
 }
 
 // A token-axis copy of `cols` columns (e4m3 [cols][ring_rows], scales [ring_rows / 128][round_up(cols, 4)]).
@@ -117,8 +117,8 @@ void launch_fp8_weight_grads(const kernels::layout::WorkspacePointers& mb, const
                              cudaStream_t stream) {
   const int64_t H = mb.hidden, I = mb.intermediate;
   const WeightGradPlan plan = weight_grad_plan(grads, I);
-  kernels::GroupedRows rows{mb.rows_capacity, mb.group_row_offset, mb.num_local_experts, max_ctas, owned,
-                            mb.group_rows,    mb.gemm_error()};
+  kernels::GroupedRows rows{mb.rows_capacity, mb.group_row_offset, mb.num_local_experts,      max_ctas, owned,
+                            mb.group_rows,    mb.gemm_error(),     mb.gemm_failure_injected()};
   const kernels::quant::TokenAxisCopy x_t = token_axis(mb.fp8_x_t, mb.fp8_x_t_scale, H, mb);
   const kernels::quant::TokenAxisCopy act_t = token_axis(mb.fp8_act_t, mb.fp8_act_t_scale, I, mb);
   const kernels::quant::TokenAxisCopy dy_t = token_axis(mb.fp8_dy_t, mb.fp8_dy_t_scale, H, mb);

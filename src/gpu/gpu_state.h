@@ -85,6 +85,7 @@ struct GpuWorkspace {
   int64_t context_tokens = -1;
   uint64_t timeout_ns = 0;      // POUNCE_PEER_TIMEOUT_S, read at creation (src/environment.h)
   bool profile_stages = false;  // POUNCE_PROFILE_STAGES, the same
+  int32_t injected_wait = 0;    // tests: the WaitId the next call fails (inject_wait_failure)
 
   kernels::layout::WorkspacePointers pointers() const;
 };

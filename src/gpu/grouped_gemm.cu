@@ -215,6 +215,7 @@ gemm::GroupedGemmArgs base_args(const GroupedRows& rows, int64_t n, int64_t k) {
   args.group_active = rows.group_active;
   args.num_groups = rows.num_groups;
   args.error_flag = rows.error_flag;
+  args.inject_failure = rows.inject_failure;
   args.max_m_blocks = static_cast<int32_t>(rows.max_rows / GemmConfig::BLOCK_M);
   args.n = static_cast<int32_t>(n);
   args.k = static_cast<int32_t>(k);

@@ -71,7 +71,8 @@ inline WeightGradPlan weight_grad_plan(const ExpertWeights& grads, int64_t inter
 // The shared expert on this rank's own rows: sym_x and sym_d_out, T padded to 128 with zero rows.
 inline MlpBackward shared_mlp_backward(const kernels::layout::WorkspacePointers& p, const BackwardArgs& args,
                                        int max_ctas) {
-  return {{p.token_capacity, p.shared_row_offset, 1, max_ctas, nullptr, nullptr, p.gemm_error()},
+  return {{p.token_capacity, p.shared_row_offset, 1, max_ctas, nullptr, nullptr, p.gemm_error(),
+           p.gemm_failure_injected()},
           p.shared_intermediate,
           p.local_sym<const void>(p.sym_x),
           p.local_sym<const void>(p.sym_d_out),
@@ -89,7 +90,7 @@ inline MlpBackward shared_mlp_backward(const kernels::layout::WorkspacePointers&
 inline MlpBackward routed_mlp_backward(const kernels::layout::WorkspacePointers& p, const BackwardArgs& args,
                                        int max_ctas) {
   return {{p.rows_capacity, p.group_row_offset, p.num_local_experts, max_ctas, nullptr, p.group_rows,
-           p.gemm_error()},
+           p.gemm_error(), p.gemm_failure_injected()},
           p.intermediate,
           p.x_rows,
           p.dy_rows,

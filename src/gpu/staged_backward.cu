@@ -134,8 +134,9 @@ void launch_forward_replay(GpuWorkspace& workspace, const BackwardArgs& args,
   }
   kernels::dispatch::dispatch_pull_kernel<kCommThreads>
       <<<workspace.num_sms, kCommThreads, 0, stream>>>(replay, 0, El);
-  const kernels::GroupedRows rows{replay.rows_capacity, replay.group_row_offset, El, 0, nullptr,
-                                  replay.group_rows,    replay.gemm_error()};
+  const kernels::GroupedRows rows{
+      replay.rows_capacity, replay.group_row_offset,       El, 0, nullptr, replay.group_rows,
+      replay.gemm_error(),  replay.gemm_failure_injected()};
   kernels::grouped_gate_up(rows, replay.x_rows, expert_slice(args.inputs.routed.gate),
                            expert_slice(args.inputs.routed.up), replay.g_rows, replay.u_rows, replay.act_rows,
                            replay.intermediate, replay.hidden, activation, stream);

@@ -66,7 +66,7 @@ kernels::ActivationParams activation_params(const Activation& activation) {
 
 void launch_barrier(const kernels::layout::WorkspacePointers& p, kernels::layout::WaitId which,
                     cudaStream_t stream) {
-  if (p.num_ranks == 1) return;
+  if (p.num_ranks == 1 && !p.injects(which)) return;  // no peer to wait for (unless a test makes it fail)
   POUNCE_CHECK(p.num_ranks <= kBarrierThreads, "num_ranks = ", p.num_ranks, " exceeds ", kBarrierThreads);
   kernels::routing::phase_barrier_kernel<kBarrierThreads><<<1, kBarrierThreads, 0, stream>>>(p, which);
 }
@@ -178,7 +178,8 @@ void launch_macrobatch_forward(GpuWorkspace& workspace, const ForwardArgs& args,
   POUNCE_CUDA(cudaGetLastError());
   if (with_shared && Is > 0 && launch.num_tokens > 0) {  // own rows: sym_x, T padded to 128 with zero rows
     const kernels::GroupedRows shared{
-        mb.token_capacity, mb.shared_row_offset, 1, overlap.gemm_ctas(), nullptr, nullptr, mb.gemm_error()};
+        mb.token_capacity, mb.shared_row_offset,      1, overlap.gemm_ctas(), nullptr, nullptr,
+        mb.gemm_error(),   mb.gemm_failure_injected()};
     const void* sym_x = mb.local_sym<const void>(mb.sym_x);
     kernels::grouped_gate_up(shared, sym_x, expert_slice(args.shared.gate), expert_slice(args.shared.up),
                              mb.shared_g, mb.shared_u, mb.shared_act, Is, H, activation, stream);
@@ -193,8 +194,8 @@ void launch_macrobatch_forward(GpuWorkspace& workspace, const ForwardArgs& args,
                                 /*with_down=*/true, stream);
     } else {
       const kernels::GroupedRows routed{
-          mb.rows_capacity, mb.group_row_offset + e0, e1 - e0,        overlap.gemm_ctas(),
-          nullptr,          mb.group_rows + e0,       mb.gemm_error()};
+          mb.rows_capacity, mb.group_row_offset + e0, e1 - e0,         overlap.gemm_ctas(),
+          nullptr,          mb.group_rows + e0,       mb.gemm_error(), mb.gemm_failure_injected()};
       kernels::grouped_gate_up(routed, mb.x_rows, expert_slice(args.routed.gate, e0),
                                expert_slice(args.routed.up, e0), mb.g_rows, mb.u_rows, mb.act_rows, I, H,
                                activation, stream);

@@ -47,6 +47,12 @@ void recompute_forward_context(GpuWorkspace&, const ForwardArgs&, void*) {
 }
 void check_device_errors(GpuWorkspace&) {}
 void synchronize(GpuWorkspace&, void*) {}
+int device_of(const GpuWorkspace&) {
+  return -1;
+}
+void inject_wait_failure(GpuWorkspace&, int32_t) {
+  no_cuda("inject_wait_failure");
+}
 void set_kernel_path(GpuWorkspace&, KernelPath) {}
 
 }  // namespace pounce::gpu

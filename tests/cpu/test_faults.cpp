@@ -1,10 +1,12 @@
 // Faults on the CPU backend (docs/reliability.md): ranks that disagree on a workspace's Shape or Config,
 // mismatched call sequences, one rank driven from two threads, a peer that stops, bad environment values.
 // Each ends in an error on every rank involved, within the timeout and never as a hang or a crash, with
-// no output written, and the group (or a new one, after a peer is gone) keeps working.
+// no output written (a call the group evaluated and failed leaves NaN outputs, as on GPUs), and the group (or
+// a new one, after a peer is gone) keeps working.
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <optional>
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "api_fixtures.h"
+#include "kernels/layout/workspace_layout.cuh"
 #include "pounce/pounce.h"
 #include "src/validation.h"
 
@@ -534,6 +537,90 @@ TEST(PeerTimeout, HugeValueWaitsForALatePeer) {
   });
   EXPECT_EQ(errors[0], "");
   EXPECT_EQ(errors[1], "");
+}
+
+// ---- a token naming one expert in several slots --------------------------------------------------------
+
+// Two ranks of one expert each, top-2, every token naming expert 0 twice: rank 0 receives 2 * R * T rows,
+// beyond the R * T * min(k, El) rows that distinct ids can send. The layout's capacity holds them (the GPU
+// backend computes them rather than dropping them) and the CPU backend computes them: every out element is
+// written and finite.
+TEST(DuplicateIds, BeyondDistinctIdsRowsAreHeldAndComputed) {
+  Shape shape = small_shape(2);
+  shape.max_tokens = 100;  // 400 rows to expert 0, padded 512; min(k, El) rows per token held 384
+  shape.num_experts = 2;
+  shape.shared_intermediate = 0;
+  const int64_t T = shape.max_tokens;
+  const auto layout = kernels::layout::WorkspaceLayout::make(
+      shape.max_tokens, shape.hidden, shape.intermediate, 0, shape.num_experts, shape.num_topk, 2);
+  EXPECT_GE(layout.rows_capacity, kernels::layout::round_up(2 * 2 * T, kernels::layout::kBlockM));
+  std::vector<RankData> data;
+  for (int r = 0; r < 2; ++r) {
+    data.emplace_back(shape, T, r, 61);
+    for (int32_t& expert : data[r].topk_idx) expert = 0;
+  }
+  auto groups = Group::create_cpu(2);
+  const auto errors = on_every_rank(2, [&](int r) {
+    Workspace workspace(groups[r], shape, Config{});
+    forward(workspace, data[r].forward_args(shape));
+    backward(workspace, data[r].backward_args(shape));
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    for (const uint16_t bits : data[r].out) ASSERT_NE(bits & 0x7F80, 0x7F80) << "rank " << r << ": out";
+    for (const float grad : data[r].d_w_gate) ASSERT_TRUE(std::isfinite(grad)) << "rank " << r;
+  }
+}
+
+// The macrobatch ring holds whole experts: past it (every token naming one expert twice sends it 2 * R * T
+// rows, the smallest ring holds R * T), the GPU backend fails the call (kernels/sched/macrobatch_plan.cuh),
+// and so does the CPU backend, on every rank with the GPU's message, out NaN on every rank, no backward
+// from the failed context; the next call with distinct ids runs clean.
+TEST(DuplicateIds, PastTheMacrobatchRingFailEveryRankWithNaNOutputs) {
+  Shape shape = small_shape(2);
+  shape.max_tokens = 64;
+  shape.num_experts = 4;
+  const int64_t T = shape.max_tokens;
+  Config ringed;
+  ringed.macrobatch_size = kernels::layout::kBlockM;  // round_up(R * T, 128): the smallest ring
+  std::vector<RankData> crowded, distinct;
+  for (int r = 0; r < 2; ++r) {
+    crowded.emplace_back(shape, T, r, 62);
+    for (int32_t& expert : crowded[r].topk_idx) expert = 1;
+    distinct.emplace_back(shape, T, r, 63);
+  }
+  auto groups = Group::create_cpu(2);
+  std::vector<std::string> backward_errors(2), clean_errors(2);
+  const auto errors = on_every_rank(2, [&](int r) {
+    Workspace workspace(groups[r], shape, ringed);
+    try {
+      forward(workspace, crowded[r].forward_args(shape));
+    } catch (const Error&) {
+      try {
+        backward(workspace, crowded[r].backward_args(shape));
+      } catch (const Error& error) {
+        backward_errors[r] = error.what();
+      }
+      try {
+        forward(workspace, distinct[r].forward_args(shape));
+        backward(workspace, distinct[r].backward_args(shape));
+      } catch (const Error& error) {
+        clean_errors[r] = error.what();
+      }
+      throw;
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(contains(errors[r],
+                         "forward failed on the group: macrobatch overflow on rank 0: local expert 1 "
+                         "receives 256 rows (padded) but config.macrobatch_size is 128"))
+        << "rank " << r << ": '" << errors[r] << "'";
+    for (const uint16_t bits : crowded[r].out) ASSERT_EQ(bits, 0x7FC0) << "rank " << r << ": out must be NaN";
+    EXPECT_TRUE(contains(backward_errors[r], "backward called before forward"))
+        << "rank " << r << ": '" << backward_errors[r] << "'";
+    EXPECT_EQ(clean_errors[r], "") << "rank " << r;
+    for (const uint16_t bits : distinct[r].out) ASSERT_NE(bits & 0x7F80, 0x7F80) << "rank " << r;
+  }
 }
 
 }  // namespace

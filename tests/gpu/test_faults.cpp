@@ -26,6 +26,7 @@
 #include "forward_harness.h"
 #include "gpu_fixtures.h"
 #include "pounce/pounce.h"
+#include "kernels/layout/workspace_layout.cuh"
 #include "src/gpu_backend.h"
 #include "src/state.h"
 
@@ -192,6 +193,165 @@ TEST(Faults, FailingCallsLeaveNaNInEveryOutput) {
           << kOutputNames[o] << " of the valid replay after it";
     }
   }
+}
+
+// Fault injection at every named wait (gpu::inject_wait_failure): each wait of the layer, failed at once on
+// one call as if its bound had run out, ends that call in the error naming it (raised by check_errors right
+// after the call), NaN in every output of the call, and the next call runs clean, bitwise equal to the call
+// before the failure. Each wait where the layer uses it: the barriers on both paths (one rank has no peer to
+// wait for, so the injected barrier fails against itself), the fused forward's and backward's waits, the
+// macrobatch ring's (the smallest ring: four macrobatches), the staged GEMMs' stage rings.
+TEST(Faults, InjectedFailureAtEveryWaitIsNamedAndTheNextCallIsClean) {
+  SKIP_UNLESS_GPUS(1);
+  using kernels::layout::WaitId;
+  // The fused waits' and the handoff's failures cost one bound (the other side waits it out): keep it short.
+  const ScopedEnv timeout("POUNCE_PEER_TIMEOUT_S", "0.3");
+  const Model m = make_model(make_shape(128, 128, 64, 4, 2, 0, 1), Activation::swiglu(), 29);
+  const RankData d = make_rank_data(m.shape, random_routing({128}, 43), 0);
+  struct Injection {
+    WaitId wait;
+    KernelPath path;
+    bool ring;      // the smallest macrobatch ring
+    bool backward;  // the wait is the backward's (the forward before it runs clean)
+    const char* error;
+  };
+  constexpr KernelPath kFused = KernelPath::kFused, kStaged = KernelPath::kStaged;
+  const std::vector<Injection> injections = {
+      {WaitId::kRoutingBarrier, kStaged, false, false, "waited at the forward routing barrier"},
+      {WaitId::kRoutingBarrier, kFused, false, false, "waited at the forward routing barrier"},
+      {WaitId::kCombineBarrier, kStaged, false, false, "waited at the forward combine barrier"},
+      {WaitId::kCombineBarrier, kFused, false, false, "waited at the forward combine barrier"},
+      {WaitId::kBackwardInputsBarrier, kStaged, false, true, "waited at the backward inputs (d_out staged)"},
+      {WaitId::kBackwardInputsBarrier, kFused, false, true, "waited at the backward inputs (d_out staged)"},
+      {WaitId::kBackwardCombineBarrier, kStaged, false, true, "waited at the backward combine (d_x pushed)"},
+      {WaitId::kBackwardCombineBarrier, kFused, false, true, "waited at the backward combine (d_x pushed)"},
+      {WaitId::kFusedRowsReady, kFused, false, false, "fused forward: minibatch rows pulled"},
+      {WaitId::kFusedGateUpDone, kFused, false, false, "fused forward: gate/up tiles of an m-block"},
+      {WaitId::kFusedRowsDone, kFused, false, false, "fused forward: down tiles of a minibatch"},
+      {WaitId::kFusedTaskHandoff, kFused, false, false, "fused kernel: task or stage handoff"},
+      {WaitId::kFusedTaskHandoff, kFused, false, true, "fused kernel: task or stage handoff"},
+      {WaitId::kFusedBackwardRowsReady, kFused, false, true, "fused backward: minibatch dy rows pulled"},
+      {WaitId::kFusedActGradDone, kFused, false, true, "fused backward: d_a tiles of an m-block"},
+      {WaitId::kFusedBackwardRowsDone, kFused, false, true, "fused backward: d_x tiles of a minibatch"},
+      {WaitId::kFusedGridStep, kFused, false, false, "fused forward: a grid-wide step"},
+      {WaitId::kFusedReplayRowsReady, kFused, true, true, "minibatch x rows pulled again"},
+      {WaitId::kFusedReplayDone, kFused, true, true, "fused backward: replayed gate/up tiles"},
+      {WaitId::kFusedRingFree, kFused, true, false, "fused forward: the previous macrobatch's ring rows"},
+      {WaitId::kStagedGemm, kStaged, false, false, "GPU wait timed out inside a staged GEMM on rank 0"},
+      {WaitId::kStagedGemm, kStaged, false, true, "GPU wait timed out inside a staged GEMM on rank 0"},
+      {WaitId::kStagedGemm, kStaged, true, true, "GPU wait timed out inside a staged GEMM on rank 0"},
+  };
+  for (const Injection& injection : injections) {
+    const std::string label = "wait " + std::to_string(static_cast<int>(injection.wait)) + ", " +
+                              (injection.path == kFused ? "fused" : "staged") +
+                              (injection.ring ? ", macrobatch ring" : "") +
+                              (injection.backward ? ", backward" : ", forward");
+    SCOPED_TRACE(label);
+    Config config;
+    config.kernel_path = config.backward_kernel_path = injection.path;
+    if (injection.ring) config.macrobatch_size = smallest_ring(m.shape);
+    // [0] the clean call before, [1] the failing one, [2] the clean one after.
+    std::string errors[3];
+    std::vector<uint8_t> outs[3];
+    Snapshot grads[3];
+    run_ranks(1, [&](const Group& group, int rank) {
+      Workspace workspace(group, m.shape, config);
+      DeviceWeights weights(m, rank, rank);
+      DeviceInputs in(m.shape);
+      DeviceBackward backward_outputs(m.shape, rank);
+      cudaStream_t stream;
+      CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      ForwardArgs fwd = in.args(m.shape, 128, false, rank);
+      fwd.routed = weights.routed;
+      const BackwardArgs bwd = backward_outputs.args(fwd, 128, GradMode::kStoreF32);
+      auto inject = [&](Workspace& w) {
+        gpu::inject_wait_failure(*w.state().gpu, static_cast<int32_t>(injection.wait));
+      };
+      in.upload(m.shape, d, false, stream);
+      backward_outputs.upload_d_out(d.d_out, stream);
+      for (int call = 0; call < 3; ++call) {
+        in.out.poison(stream);
+        backward_outputs.prepare(GradMode::kStoreF32, {}, stream);
+        const bool failing = call == 1;
+        try {
+          if (failing && !injection.backward) inject(workspace);
+          forward(workspace, fwd, stream);
+          check_errors(workspace, stream, /*synchronize=*/true);
+          // A failed forward leaves no context to differentiate: its call ends here (the throw).
+          if (failing && injection.backward) inject(workspace);
+          backward(workspace, bwd, stream);
+          check_errors(workspace, stream, /*synchronize=*/true);
+        } catch (const Error& error) {
+          errors[call] = error.what();
+        }
+        CUDA_OK(cudaStreamSynchronize(stream));
+        outs[call] = download<uint8_t>(in.out.ptr, 128 * m.shape.hidden * sizeof(uint16_t));
+        grads[call] = backward_outputs.read(GradMode::kStoreF32, 128);
+      }
+      CUDA_OK(cudaStreamDestroy(stream));
+    });
+    EXPECT_EQ(errors[0], "") << "the clean call before the injection";
+    EXPECT_NE(errors[1].find(injection.error), std::string::npos)
+        << "the injected failure must be raised naming its wait; got '" << errors[1] << "'";
+    EXPECT_EQ(errors[2], "") << "the call after the injected failure must run clean";
+    // A failing forward leaves NaN in out; a failing backward (after a clean forward, whose out stands) NaN
+    // in every gradient.
+    if (!injection.backward) {
+      EXPECT_TRUE(all_layer_nan(outs[1], 2)) << "out of the failing forward";
+    } else {
+      EXPECT_EQ(outs[1], outs[0]) << "out of the clean forward before the failing backward";
+      for (int o = 0; o < kNumOutputs; ++o) {
+        if (grads[1].outputs[o].empty()) continue;
+        EXPECT_TRUE(all_layer_nan(grads[1].outputs[o], grads[1].element_bytes[o])) << kOutputNames[o];
+      }
+    }
+    EXPECT_EQ(outs[2], outs[0]) << "out after the failure must equal out before it, bitwise";
+    EXPECT_EQ(snapshot_difference(grads[2], grads[0]), "") << "gradients after the failure";
+  }
+}
+
+// Every tensor of a call must be on the workspace's GPU: one that claims another device index (all of the
+// call's tensors at once too, which used to pass by agreeing with each other) is rejected before anything is
+// queued, naming the argument and the workspace's device; out is left alone.
+TEST(Faults, TensorsOnAnotherDeviceIndexAreRejected) {
+  SKIP_UNLESS_GPUS(1);
+  const Model m = make_model(make_shape(64, 128, 64, 4, 2, 0, 1), Activation::swiglu(), 24);
+  const RankData d = make_rank_data(m.shape, random_routing({64}, 44), 0);
+  std::string one_tensor, every_tensor;
+  std::vector<uint16_t> out;
+  run_ranks(1, [&](const Group& group, int rank) {
+    Workspace workspace(group, m.shape, Config{});
+    DeviceWeights weights(m, rank, rank);
+    DeviceInputs in(m.shape);
+    in.upload(m.shape, d, false, nullptr);
+    in.out.poison(nullptr);
+    ForwardArgs args = in.args(m.shape, 64, false, rank);
+    args.routed = weights.routed;
+    ForwardArgs elsewhere = args;
+    elsewhere.topk_weights.device_id = rank + 1;
+    try {
+      forward(workspace, elsewhere, nullptr);
+    } catch (const Error& error) {
+      one_tensor = error.what();
+    }
+    ForwardArgs all_elsewhere = in.args(m.shape, 64, false, rank + 1);
+    all_elsewhere.routed = weights.routed;
+    for (TensorView* w : {&all_elsewhere.routed.gate, &all_elsewhere.routed.up, &all_elsewhere.routed.down})
+      w->device_id = rank + 1;
+    try {
+      forward(workspace, all_elsewhere, nullptr);
+    } catch (const Error& error) {
+      every_tensor = error.what();
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    out = download<uint16_t>(in.out.ptr, 64 * m.shape.hidden);
+  });
+  EXPECT_NE(one_tensor.find("argument 'topk_weights'"), std::string::npos) << one_tensor;
+  EXPECT_NE(one_tensor.find("(device index 1) but the workspace is on cuda:0"), std::string::npos)
+      << one_tensor;
+  EXPECT_NE(every_tensor.find("argument 'x'"), std::string::npos) << every_tensor;
+  EXPECT_NE(every_tensor.find("the workspace is on cuda:0"), std::string::npos) << every_tensor;
+  EXPECT_EQ(count_unpoisoned(out.data(), out.data() + out.size()), 0) << "a rejected call must not write out";
 }
 
 // The forward reports the bad id and skips that slot; backward then runs like the reference with -1 there,
