@@ -244,8 +244,10 @@ __device__ __forceinline__ void run_communication(const layout::WorkspacePointer
       const int64_t blocks = (unit_end(push_b, push_u) - unit_first(push_b, push_u)) / GemmConfig::BLOCK_M;
       const uint32_t expected = plan.second_tiles_per_block * static_cast<uint32_t>(blocks);
       const uint32_t* done = counters.rows_done(next_push);
-      ready = block ? wait_count(ws, done, expected, plan.rows_done_wait, next_push)
-                    : flags::ld_acquire_gpu(done) >= expected;
+      // A poll between pulls is the same wait, unblocked: an injected failure (tests) fails it too.
+      ready = block || ws.injects(plan.rows_done_wait)
+                  ? wait_count(ws, done, expected, plan.rows_done_wait, next_push)
+                  : flags::ld_acquire_gpu(done) >= expected;
     }
     if (!cta_broadcast(go, ready)) return false;
     push_unit(push_b, push_u);

@@ -214,6 +214,7 @@ TEST(Faults, InjectedFailureAtEveryWaitIsNamedAndTheNextCallIsClean) {
     bool ring;      // the smallest macrobatch ring
     bool backward;  // the wait is the backward's (the forward before it runs clean)
     const char* error;
+    bool push = false;  // the push combine (one rank scatters by default): its communication CTAs wait
   };
   constexpr KernelPath kFused = KernelPath::kFused, kStaged = KernelPath::kStaged;
   const std::vector<Injection> injections = {
@@ -227,12 +228,12 @@ TEST(Faults, InjectedFailureAtEveryWaitIsNamedAndTheNextCallIsClean) {
       {WaitId::kBackwardCombineBarrier, kFused, false, true, "waited at the backward combine (d_x pushed)"},
       {WaitId::kFusedRowsReady, kFused, false, false, "fused forward: minibatch rows pulled"},
       {WaitId::kFusedGateUpDone, kFused, false, false, "fused forward: gate/up tiles of an m-block"},
-      {WaitId::kFusedRowsDone, kFused, false, false, "fused forward: down tiles of a minibatch"},
+      {WaitId::kFusedRowsDone, kFused, false, false, "fused forward: down tiles of a minibatch", true},
       {WaitId::kFusedTaskHandoff, kFused, false, false, "fused kernel: task or stage handoff"},
       {WaitId::kFusedTaskHandoff, kFused, false, true, "fused kernel: task or stage handoff"},
       {WaitId::kFusedBackwardRowsReady, kFused, false, true, "fused backward: minibatch dy rows pulled"},
       {WaitId::kFusedActGradDone, kFused, false, true, "fused backward: d_a tiles of an m-block"},
-      {WaitId::kFusedBackwardRowsDone, kFused, false, true, "fused backward: d_x tiles of a minibatch"},
+      {WaitId::kFusedBackwardRowsDone, kFused, false, true, "fused backward: d_x tiles of a minibatch", true},
       {WaitId::kFusedGridStep, kFused, false, false, "fused forward: a grid-wide step"},
       {WaitId::kFusedReplayRowsReady, kFused, true, true, "minibatch x rows pulled again"},
       {WaitId::kFusedReplayDone, kFused, true, true, "fused backward: replayed gate/up tiles"},
@@ -244,12 +245,13 @@ TEST(Faults, InjectedFailureAtEveryWaitIsNamedAndTheNextCallIsClean) {
   for (const Injection& injection : injections) {
     const std::string label = "wait " + std::to_string(static_cast<int>(injection.wait)) + ", " +
                               (injection.path == kFused ? "fused" : "staged") +
-                              (injection.ring ? ", macrobatch ring" : "") +
+                              (injection.ring ? ", macrobatch ring" : "") + (injection.push ? ", push" : "") +
                               (injection.backward ? ", backward" : ", forward");
     SCOPED_TRACE(label);
     Config config;
     config.kernel_path = config.backward_kernel_path = injection.path;
     if (injection.ring) config.macrobatch_size = smallest_ring(m.shape);
+    if (injection.push) config.combine = CombineMode::kPush;
     // [0] the clean call before, [1] the failing one, [2] the clean one after.
     std::string errors[3];
     std::vector<uint8_t> outs[3];
