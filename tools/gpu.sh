@@ -35,7 +35,8 @@ tools/gpu.sh <job> [options]        on the GPU machine; logs and JSON in $OUT (/
                                     instruction of one fused kernel; read from ncu's CSV by tools/ncu_top.py
   sanitize [FILTER] [--tools LIST] [--limit S]
                                     compute-sanitizer (memcheck racecheck synccheck initcheck) on the one-GPU
-                                    suite's cases (S seconds per tool, 240)
+                                    suite's cases; racecheck one small case per kernel family
+                                    (S seconds per tool, 240)
   python [install] [cpu] [gpu] [train]
                                     pip install offline (--no-build-isolation), the Python tests, the GPU
                                     ones under torchrun on >1 GPU, examples/train_moe.py (default: all)
@@ -323,8 +324,19 @@ for shard in 1 2 3 4 5; do  # the fuzz's first shard: 20 cases
   sanitize_filter+=":Shards/GpuFuzz.FusedEqualsStagedAndReference/$shard"
 done
 
+# racecheck runs a kernel some hundred times slower (a small staged backward test: 55 s, against 0.1 s), so it
+# takes one small case of each kernel family: staged and fused forward and backward, the ring, every
+# standalone GEMM kind in BF16 and FP8, the quantizers, the finish kernel's NaN fill.
+racecheck_filter='StagedForward.OneRankSmall:FusedBackward.OneRankSmall:FusedBackward.OneRankSmallRing'
+racecheck_filter+=':GroupedGemm.EmptyGroupsEdgeTileAndPoisonedTail:GroupedGateUp.SwiGLUClampEdgeTileEmptyGroup'
+racecheck_filter+=':GroupedActivationBackward.SwiGLUPartialTileEmptyGroup:GroupedGemmTransposed.KSplitOverTwoTensorsPartialTile'
+racecheck_filter+=':GroupedWeightGrad.OneCtaTakesTurnsOverUnevenTiles:Fp8GroupedGemm.PairSumsBothKRanges'
+racecheck_filter+=':Fp8GroupedGateUp.SwiGluWithAPartialScaleBlock:Fp8GroupedWeightGrad.StoreF32'
+racecheck_filter+=':Fp8Quantize.LaneGroupRowsMatchTheCpu:Fp8Quantize.TokenAxisColumnsMatchTheCpu'
+racecheck_filter+=':Faults.FailingCallsLeaveNaNInEveryOutput'
+
 job_sanitize() {  # [FILTER] [--tools LIST] [--limit S]
-  local filter=${POUNCE_SANITIZE_FILTER:-$sanitize_filter}
+  local filter=${POUNCE_SANITIZE_FILTER:-} tool_filter
   local tools="memcheck racecheck synccheck initcheck" tool limit=240
   while [ $# -gt 0 ]; do
     case "$1" in
@@ -341,8 +353,13 @@ job_sanitize() {  # [FILTER] [--tools LIST] [--limit S]
   export CUDA_VISIBLE_DEVICES=0 POUNCE_PEER_TIMEOUT_S=300
   local reports=()
   for tool in $tools; do
+    tool_filter=$filter
+    if [ -z "$tool_filter" ]; then
+      tool_filter=$sanitize_filter
+      [ "$tool" = racecheck ] && tool_filter=$racecheck_filter
+    fi
     step "sanitize_$tool" "$limit" compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 \
-      "$build/tests/pounce_gpu_tests" --gtest_filter="$filter" \
+      "$build/tests/pounce_gpu_tests" --gtest_filter="$tool_filter" \
       --gtest_output="json:$out/sanitize_$tool.json"
     reports+=("$out/sanitize_$tool.json")
   done
