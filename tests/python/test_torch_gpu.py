@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 
 import pounce.torch as pt  # noqa: E402
 from moe_reference import check_close  # noqa: E402
-from torch_reference import group_reference  # noqa: E402
+from torch_reference import group_reference, route_as  # noqa: E402
 
 H, I, E, K, IS = 256, 128, 8, 2, 128
 MAX_TOKENS = 512
@@ -376,26 +376,6 @@ def test_fused_gate_up_and_frozen_experts(world):
 
     agree(check)
     pt.unregister_layer(layer)
-
-
-def route_as(model, routing, record):
-    """Forward hooks on every layer's router: ``record`` stores its top-k experts in ``routing[layer]``,
-    else the router takes ``routing[layer]`` (the weights are its own probabilities of those experts,
-    renormalised as Qwen3-MoE does, so the router still gets its gradient). Returns the hook handles."""
-    handles = []
-    for layer_idx, layer in enumerate(model.model.layers):
-        def hook(router, args, output, layer_idx=layer_idx):
-            logits, _, idx = output
-            if record:
-                routing[layer_idx] = idx.detach().cpu()
-                return None
-            idx = routing[layer_idx].to(logits.device)
-            probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float))
-            probs = probs.gather(-1, idx)
-            return logits, (probs / probs.sum(dim=-1, keepdim=True)).to(logits.dtype), idx
-
-        handles.append(layer.mlp.gate.register_forward_hook(hook))
-    return handles
 
 
 def test_transformers_backend_matches_grouped_mm(world):

@@ -18,6 +18,7 @@ pounce = pytest.importorskip(
 import pounce.torch as pt  # noqa: E402
 
 from conftest import on_ranks, raise_first  # noqa: E402
+from torch_reference import route_as  # noqa: E402
 
 try:
     from transformers.integrations.moe import ExpertsInterface  # noqa: E402
@@ -119,26 +120,6 @@ def test_family_matches_eager_experts(family):
     stats = pt.workspace_stats()
     assert sum(s["recomputes"] for s in stats) == 0  # a workspace per layer by default
     assert sum(s["forwards"] for s in stats) == model.config.num_hidden_layers
-
-
-def route_as(model, routing, record):
-    """Forward hooks on every layer's router: ``record`` stores its top-k experts in ``routing[layer]``,
-    else the router takes ``routing[layer]`` (the weights are its own probabilities of those experts,
-    renormalised as Qwen3-MoE does, so the router still gets its gradient). Returns the hook handles."""
-    handles = []
-    for layer_idx, layer in enumerate(model.model.layers):
-        def hook(router, args, output, layer_idx=layer_idx):
-            logits, _, idx = output
-            if record:
-                routing[layer_idx] = idx.detach()
-                return None
-            idx = routing[layer_idx]
-            probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float))
-            probs = probs.gather(-1, idx)
-            return logits, (probs / probs.sum(dim=-1, keepdim=True)).to(logits.dtype), idx
-
-        handles.append(layer.mlp.gate.register_forward_hook(hook))
-    return handles
 
 
 def test_bf16_model_matches_grouped_mm():

@@ -74,3 +74,24 @@ def group_reference(inputs, routed, shared, dtype, act=None):
             d_routed=[grad(w) for w in leaves],
         ))
     return report
+
+
+def route_as(model, routing, record):
+    """Forward hooks on every layer's router: ``record`` stores its top-k experts in ``routing[layer]``,
+    else the router takes ``routing[layer]`` (the weights are its own probabilities of those experts,
+    renormalised as Qwen3-MoE does, so the router still gets its gradient). The recorded experts live on
+    the CPU, so one run's routing can be imposed on a model on another device. Returns the hook handles."""
+    handles = []
+    for layer_idx, layer in enumerate(model.model.layers):
+        def hook(router, args, output, layer_idx=layer_idx):
+            logits, _, idx = output
+            if record:
+                routing[layer_idx] = idx.detach().cpu()
+                return None
+            idx = routing[layer_idx].to(logits.device)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float))
+            probs = probs.gather(-1, idx)
+            return logits, (probs / probs.sum(dim=-1, keepdim=True)).to(logits.dtype), idx
+
+        handles.append(layer.mlp.gate.register_forward_hook(hook))
+    return handles
