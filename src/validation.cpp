@@ -20,20 +20,17 @@ std::string shape_string(const std::vector<int64_t>& shape) {
   return out + "]";
 }
 
-// The device every tensor of a call must be on: the workspace's. On GPUs a tensor's index is checked against
-// the workspace's device once it is known (WorkspaceState::device_id), else against the call's 'x'.
+// The device every tensor of a call must be on: the workspace's (WorkspaceState::device_id: its GPU, or 0
+// on the CPU backend).
 struct Device {
   DeviceKind kind = DeviceKind::kCpu;
   int index = 0;
-  const char* known_from = "the workspace";
   std::string name() const { return kind == DeviceKind::kCpu ? "cpu" : "cuda:" + std::to_string(index); }
 };
 
-Device expected_device(const Workspace& workspace, const TensorView& x) {
+Device expected_device(const Workspace& workspace) {
   if (workspace.group().backend() != Backend::kGpu) return {};
-  const int index = workspace.state().device_id;
-  if (index >= 0) return {DeviceKind::kCuda, index};
-  return {DeviceKind::kCuda, x.device_id, "argument 'x'"};
+  return {DeviceKind::kCuda, workspace.state().device_id};
 }
 
 // Which layouts an argument may have: dense, or (weights and weight gradients) row-strided.
@@ -88,7 +85,7 @@ void check_tensor(const Device& device, const std::string& name, const TensorVie
                " but the workspace runs on ", device.kind == DeviceKind::kCuda ? "cuda" : "cpu",
                "; move it there");
   POUNCE_CHECK(view.device_id == device.index, "argument '", name, "' is ", view.describe(),
-               " (device index ", view.device_id, ") but ", device.known_from, " is on ", device.name(),
+               " (device index ", view.device_id, ") but the workspace is on ", device.name(),
                device.kind == DeviceKind::kCpu ? " (host tensors have device index 0)" : "",
                "; pass every tensor of the call on the workspace's device",
                device.kind == DeviceKind::kCuda ? " (torch: .to('" + device.name() + "'))" : std::string());
@@ -358,7 +355,7 @@ void check_expert_biases_supported(Backend backend, Precision precision, const E
 
 void validate_forward_args(const Workspace& workspace, const ForwardArgs& args, bool check_out) {
   check_token_count(workspace, args.x);
-  const Device device = expected_device(workspace, args.x);
+  const Device device = expected_device(workspace);
   check_forward_inputs(workspace, args, device);
   if (!check_out) return;
   check_tensor(device, "out", args.out, {DType::kBF16}, {args.x.shape[0], workspace.shape().hidden});
@@ -367,7 +364,7 @@ void validate_forward_args(const Workspace& workspace, const ForwardArgs& args, 
 
 void validate_backward_args(const Workspace& workspace, const BackwardArgs& args) {
   check_token_count(workspace, args.inputs.x);
-  const Device device = expected_device(workspace, args.inputs.x);
+  const Device device = expected_device(workspace);
   check_forward_inputs(workspace, args.inputs, device);
   const Shape& s = workspace.shape();
   const int64_t num_tokens = args.inputs.x.shape[0];
