@@ -380,6 +380,9 @@ int run_fp8_cases(const std::string& filter) {
       {"deepseek-v3 d_x", balanced(128, 512), 7168, 4096, Fp8Kind::kPair},
       {"deepseek-v3 wgrad down", balanced(128, 512), 7168, 2048, Fp8Kind::kWeightGrad},
       {"deepseek-v3 wgrad gate", balanced(128, 512), 2048, 7168, Fp8Kind::kWeightGrad},
+      // 256 rows per expert: deepseek-v3 at EP1 (8192 tokens, 256 experts, k = 8), two K blocks per tile.
+      {"deepseek-v3 ep1 wgrad down", balanced(256, 256), 7168, 2048, Fp8Kind::kWeightGrad},
+      {"deepseek-v3 ep1 wgrad gate", balanced(256, 256), 2048, 7168, Fp8Kind::kWeightGrad},
       {"gpt-oss-120b gate_up", balanced(64, 512), 2880, 2880, Fp8Kind::kGateUp},
       {"gpt-oss-120b down", balanced(64, 512), 2880, 2880, Fp8Kind::kStore},
       {"gpt-oss-120b d_x", balanced(64, 512), 2880, 5760, Fp8Kind::kPair},

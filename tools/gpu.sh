@@ -31,7 +31,7 @@ tools/gpu.sh <job> [options]        on the GPU machine; logs and JSON in $OUT (/
   profile [PRESET...] [-- run args] pounce run under POUNCE_PROFILE_STAGES=1 per preset, output kept
   ncu [fused [PRESET...] | source [PRESET [KERNEL]] | gemm [CASE...]]
                                     Nsight Compute on one GPU: metrics of the fused kernels (default) or of
-                                    pounce_gemm_bench cases' GEMMs, or the warp-stall samples per SASS
+                                    pounce_gemm_bench cases' GEMMs (fp8:CASE for an FP8 one), or the warp-stall samples per SASS
                                     instruction of one fused kernel; read from ncu's CSV by tools/ncu_top.py
   sanitize [FILTER] [--tools LIST] [--limit S]
                                     compute-sanitizer (memcheck racecheck synccheck initcheck) on the one-GPU
@@ -302,8 +302,14 @@ job_ncu() {  # [fused [PRESET...] | source [PRESET [KERNEL]] | gemm [CASE...]]
       [ ${#cases[@]} -eq 0 ] && cases=("deepseek-v3 routed wgrad" "deepseek-v3 routed bwd act" "deepseek-v3 routed gate_up")
       for i in "${!cases[@]}"; do
         echo "ncu_gemm_$i: ${cases[$i]}"
-        ncu_step "ncu_gemm_$i" "grouped_gemm|weight_grad|activation_backward" 4 raw --metrics "$ncu_metrics" -- \
-          "$build/bench/pounce_gemm_bench" "${cases[$i]}"
+        # fp8:NAME is an FP8 case of `pounce_gemm_bench --fp8` (its bf16 twin's launches are not profiled).
+        local bench_args=("${cases[$i]}") kernels="grouped_gemm|weight_grad|activation_backward"
+        if [[ ${cases[$i]} == fp8:* ]]; then
+          bench_args=(--fp8 "${cases[$i]#fp8:}")
+          kernels="fp8_grouped_gemm"
+        fi
+        ncu_step "ncu_gemm_$i" "$kernels" 4 raw --metrics "$ncu_metrics" -- \
+          "$build/bench/pounce_gemm_bench" "${bench_args[@]}"
         csvs+=("$out/ncu_gemm_$i.csv")
       done
       python3 tools/ncu_top.py metrics --only "$ncu_metrics" "${csvs[@]}"

@@ -10,8 +10,6 @@
 namespace pounce::gpu {
 namespace {
 
-constexpr int kRowThreads = 256;  // the row stages: 8 warps, one row each
-
 int64_t blocks_of(int64_t extent) {
   return kernels::layout::ceil_div(extent, kernels::quant::kBlock);
 }
@@ -40,11 +38,15 @@ kernels::Fp8Columns as_columns(const kernels::quant::TokenAxisCopy& copy, int64_
 
 void launch_token_axis_copy(const kernels::layout::WorkspacePointers& mb,
                             const kernels::quant::TokenAxisSource& src,
-                            const kernels::quant::TokenAxisCopy& dst, int64_t cols, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(mb.ring_rows / kernels::quant::kBlock),
-                  static_cast<unsigned>(cols / kernels::quant::kTokenAxisCols));
-  kernels::quant::token_axis_copy_kernel<>
-      <<<grid, kernels::quant::kTokenAxisThreads, 0, stream>>>(mb, src, dst);
+                            const kernels::quant::TokenAxisCopy& dst, int64_t cols, int ctas,
+                            cudaStream_t stream) {
+  kernels::quant::token_axis_copy_kernel<><<<ctas, kernels::quant::kTileThreads, 0, stream>>>(mb, src, dst,
+                                                                                              cols);
+}
+
+// A stage's CTAs: several per SM the GEMMs would use (a tile stage is bound by HBM, not by SMs).
+int tile_ctas(int max_ctas) {
+  return std::max(1, max_ctas) * 4;
 }
 
 }  // namespace
@@ -97,15 +99,22 @@ void launch_fp8_expert_forward(const kernels::layout::WorkspacePointers& mb, con
 }
 
 void launch_fp8_data_grads(const kernels::layout::WorkspacePointers& mb, const Fp8Weights& w, int e0, int e1,
-                           int max_ctas, const kernels::ActivationParams& activation, cudaStream_t stream) {
+                           int max_ctas, const kernels::ActivationParams& activation,
+                           const WeightGradPlan& plan, cudaStream_t stream) {
   const int64_t H = mb.hidden, I = mb.intermediate;
-  const int row_ctas = std::max(1, max_ctas) * 4;
+  const int ctas = tile_ctas(max_ctas);
   const kernels::GroupedRows rows = chunk_rows(mb, e0, e1, max_ctas);
-  kernels::quant::quantize_dy_rows_kernel<kRowThreads><<<row_ctas, kRowThreads, 0, stream>>>(mb, e0, e1);
+  // The token-axis copies of d_y and [d_g | d_u] come from the same reads as their row forms.
+  kernels::quant::TokenAxisCopy dy_t = token_axis(mb.fp8_dy_t, mb.fp8_dy_t_scale, H, mb);
+  kernels::quant::TokenAxisCopy dgu_t = token_axis(mb.fp8_dgu_t, mb.fp8_dgu_t_scale, 2 * I, mb);
+  if (!plan.down) dy_t.data = nullptr;
+  if (!plan.gate && !plan.up) dgu_t.data = nullptr;
+  kernels::quant::quantize_dy_tiles_kernel<><<<ctas, kernels::quant::kTileThreads, 0, stream>>>(mb, e0, e1,
+                                                                                                dy_t);
   kernels::fp8_grouped_gemm(rows, fp8_rows(mb.fp8_dy_rows, mb.fp8_dy_scale, mb), fp8_experts(w.down_t, e0),
                             mb.fp8_d_a, I, H, stream);
-  kernels::quant::activation_backward_fp8_kernel<kRowThreads>
-      <<<row_ctas, kRowThreads, 0, stream>>>(mb, e0, e1, activation);
+  kernels::quant::activation_backward_tiles_kernel<>
+      <<<ctas, kernels::quant::kTileThreads, 0, stream>>>(mb, e0, e1, activation, dgu_t);
   kernels::fp8_grouped_gemm_pair(rows, fp8_rows(mb.fp8_dg_rows, mb.fp8_dg_scale, mb),
                                  fp8_experts(w.gate_t, e0), I, fp8_rows(mb.fp8_du_rows, mb.fp8_du_scale, mb),
                                  fp8_experts(w.up_t, e0), I, mb.dx_rows, H, stream);
@@ -123,16 +132,17 @@ void launch_fp8_weight_grads(const kernels::layout::WorkspacePointers& mb, const
   const kernels::quant::TokenAxisCopy act_t = token_axis(mb.fp8_act_t, mb.fp8_act_t_scale, I, mb);
   const kernels::quant::TokenAxisCopy dy_t = token_axis(mb.fp8_dy_t, mb.fp8_dy_t_scale, H, mb);
   const kernels::quant::TokenAxisCopy dgu_t = token_axis(mb.fp8_dgu_t, mb.fp8_dgu_t_scale, 2 * I, mb);
+  const int ctas = tile_ctas(max_ctas);
+  // d_y_t and [d_g | d_u]_t were written with the data gradients (launch_fp8_data_grads).
   if (plan.down) {
-    launch_token_axis_copy(mb, {mb.dy_rows, nullptr, nullptr, H, 0}, dy_t, H, stream);
-    launch_token_axis_copy(mb, {mb.act_rows, nullptr, nullptr, I, 0}, act_t, I, stream);
+    launch_token_axis_copy(mb, {mb.act_rows, nullptr, nullptr, I, 0}, act_t, I, ctas, stream);
     kernels::fp8_grouped_weight_grad(rows, as_columns(dy_t), H, as_columns(act_t), I, grads.down.data,
                                      weight_grad_mode(grads.down, accumulate), stream);
   }
   if (plan.gate || plan.up) {
-    // x_t from the x_q rows the GEMMs read (dequantized exactly), [d_g | d_u]_t from the bf16 d_gu rows.
-    launch_token_axis_copy(mb, {nullptr, mb.fp8_x_rows, mb.fp8_x_scale, H, mb.ring_rows}, x_t, H, stream);
-    launch_token_axis_copy(mb, {mb.d_gu_rows, nullptr, nullptr, 2 * I, 0}, dgu_t, 2 * I, stream);
+    // x_t from the x_q rows the GEMMs read (dequantized exactly).
+    launch_token_axis_copy(mb, {nullptr, mb.fp8_x_rows, mb.fp8_x_scale, H, mb.ring_rows}, x_t, H, ctas,
+                           stream);
   }
   rows.max_ctas = later_ctas;
   if (plan.gate)

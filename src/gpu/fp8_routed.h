@@ -16,6 +16,7 @@
 #include "pounce/fp8.h"
 #include "src/gpu/fp8_gemm.h"
 #include "src/gpu/gpu_state.h"
+#include "src/gpu/mlp_backward.h"
 
 namespace pounce::gpu {
 
@@ -35,10 +36,12 @@ void launch_fp8_pull_x(const kernels::layout::WorkspacePointers& mb, int e0, int
 void launch_fp8_expert_forward(const kernels::layout::WorkspacePointers& mb, const Fp8Weights& w, int e0,
                                int e1, int max_ctas, const kernels::ActivationParams& activation,
                                bool with_down, cudaStream_t stream);
-// d_y_q, d_a, d_g/d_u (both forms) and d_x of local experts [e0, e1) of `mb` (d_y rows already pulled).
+// d_y_q, d_a, d_g/d_u and d_x of local experts [e0, e1) of `mb` (d_y rows already pulled), with the
+// token-axis copies of d_y and [d_g | d_u] that the weight gradients of `plan` read.
 void launch_fp8_data_grads(const kernels::layout::WorkspacePointers& mb, const Fp8Weights& w, int e0, int e1,
-                           int max_ctas, const kernels::ActivationParams& activation, cudaStream_t stream);
-// The token-axis copies the wanted gradients need and the routed weight gradients of every expert `mb` holds
+                           int max_ctas, const kernels::ActivationParams& activation,
+                           const WeightGradPlan& plan, cudaStream_t stream);
+// The token-axis copies of act and x and the routed weight gradients of every expert `mb` holds
 // (`owned`: null = all): down on `max_ctas` SMs, gate and up on `later_ctas`.
 void launch_fp8_weight_grads(const kernels::layout::WorkspacePointers& mb, const ExpertWeights& grads,
                              bool accumulate, const int32_t* owned, int max_ctas, int later_ctas,

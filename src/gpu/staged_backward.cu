@@ -194,7 +194,8 @@ void launch_macrobatch_backward(GpuWorkspace& workspace, const BackwardArgs& arg
     for (int c = 0; c < overlap.num_chunks(); ++c) {
       const int e0 = overlap.chunk_begin(c), e1 = overlap.chunk_begin(c + 1);
       overlap.wait(stream, pulled[c]);
-      launch_fp8_data_grads(mb, *args.inputs.routed_fp8, e0, e1, overlap.gemm_ctas(), activation, stream);
+      launch_fp8_data_grads(mb, *args.inputs.routed_fp8, e0, e1, overlap.gemm_ctas(), activation,
+                            weight_grad_plan(args.d_routed, p.intermediate), stream);
       overlap.comm_after_main();
       kernels::combine::combine_push_kernel<kCommThreads>
           <<<overlap.comm_sms(), kCommThreads, 0, comm>>>(mb, mb.dx_rows, mb.sym_dx_slots, e0, e1);
