@@ -27,8 +27,10 @@ def plot(run: dict, path: str) -> None:
 
     fig, (ax, diff_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[3, 1])
     window = max(1, len(run["steps"]) // 30)
-    colors = {"pounce": "tab:orange", "baseline": "tab:blue"}
-    for name in ("baseline", "pounce"):
+    colors = {"pounce": "tab:orange", "baseline": "tab:blue", "pounce_fp8": "tab:green"}
+    for name in ("baseline", "pounce", "pounce_fp8"):
+        if name not in run:
+            continue
         ax.plot(run["steps"], run[name]["loss"], color=colors[name], alpha=0.25, linewidth=0.8)
         label = f"{run[name]['label']} (last 50 steps {run[name]['final_loss']:.3f})"
         ax.plot(run["steps"], smooth(run[name]["loss"], window), color=colors[name], label=label)
@@ -39,9 +41,13 @@ def plot(run: dict, path: str) -> None:
     ax.set_title(f"{cfg['layers']}-layer MoE transformer, H={cfg['hidden']} E={cfg['experts']} k={cfg['topk']}, "
                  f"EP {cfg['ranks']} on {cfg['gpu']}, {cfg['tokens_per_rank']} tokens/rank/step", fontsize=10)
     delta = [a - b for a, b in zip(run["pounce"]["loss"], run["baseline"]["loss"])]
-    diff_ax.plot(run["steps"], delta, color="tab:gray", linewidth=0.8)
+    diff_ax.plot(run["steps"], delta, color="tab:gray", linewidth=0.8, label="pounce - baseline")
+    if "pounce_fp8" in run:
+        fp8_delta = [a - b for a, b in zip(run["pounce_fp8"]["loss"], run["pounce"]["loss"])]
+        diff_ax.plot(run["steps"], fp8_delta, color="tab:green", linewidth=0.8, label="pounce FP8 - pounce")
+        diff_ax.legend(fontsize=8)
     diff_ax.axhline(0, color="black", linewidth=0.5)
-    diff_ax.set_ylabel("pounce - baseline")
+    diff_ax.set_ylabel("loss difference")
     diff_ax.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -5,6 +5,11 @@ the same synthetic data, and writes both loss curves (JSON, and a PNG when matpl
 
     torchrun --nproc-per-node=2 examples/train_moe.py --steps 300 --out examples/out
 
+``--precision fp8`` adds a third run, ``pounce.torch.MoE(..., precision="fp8")`` (block-scaled FP8 routed
+experts, docs/design.md §1; the fp32 master weights re-quantized after each optimizer step), from the same
+initialisation on the same data, and reports its final loss against the BF16 Pounce run's (the target: within
+1 %); all curves go in one chart.
+
 Expert parallelism over every rank (each holds experts/ranks experts) and data parallelism for the
 rest of the model. Data: token sequences from a fixed random sparse bigram process (each token is
 followed by one of 4 tokens), so the loss falls from ln(vocab) towards that process's entropy.
@@ -17,6 +22,7 @@ to the fp32 expert weights).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -187,6 +193,10 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--out", default="examples/out", help="folder for train_moe.json / train_moe.png")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
+                        help="fp8: also train with FP8 routed experts and compare with the BF16 Pounce run")
+    parser.add_argument("--fp8-tolerance", type=float, default=0.01,
+                        help="largest relative difference of the FP8 run's final loss from BF16's (exit 1 past it)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: one rank on pounce's CPU backend (the exact reference), a smoke test at tiny sizes")
     args = parser.parse_args(argv)
@@ -210,6 +220,9 @@ def main(argv=None):
         "pounce": train(args, pt.MoE, "pounce", rank, num_ranks, device),
         "baseline": train(args, BaselineMoE, "PyTorch baseline", rank, num_ranks, device),
     }
+    if args.precision == "fp8":
+        runs["pounce_fp8"] = train(args, functools.partial(pt.MoE, precision="fp8"), "pounce FP8", rank,
+                                   num_ranks, device)
     pt.free_workspaces()
     if rank == 0:
         out = Path(args.out)
@@ -226,12 +239,23 @@ def main(argv=None):
             entropy_floor=-sum(p * math.log(p) for p in (0.55, 0.25, 0.15, 0.05)),
             **runs,
         )
+        fp8_ok = True
+        if "pounce_fp8" in runs:
+            bf16_final, fp8_final = runs["pounce"]["final_loss"], runs["pounce_fp8"]["final_loss"]
+            run["fp8_final_loss_rel_diff"] = abs(fp8_final - bf16_final) / bf16_final
+            run["fp8_tolerance"] = args.fp8_tolerance
+            fp8_ok = run["fp8_final_loss_rel_diff"] <= args.fp8_tolerance
         with open(out / "train_moe.json", "w") as f:
             json.dump(run, f, indent=1)
         print(f"final loss (mean of last 50 steps): pounce {runs['pounce']['final_loss']:.4f}, "
               f"baseline {runs['baseline']['final_loss']:.4f}; max |diff| {run['max_abs_loss_diff']:.4f}; "
               f"median step pounce {runs['pounce']['median_step_ms']:.1f} ms, "
               f"baseline {runs['baseline']['median_step_ms']:.1f} ms; wrote {out / 'train_moe.json'}")
+        if "pounce_fp8" in runs:
+            print(f"fp8: final loss {runs['pounce_fp8']['final_loss']:.4f} against bf16 "
+                  f"{runs['pounce']['final_loss']:.4f}: relative difference {run['fp8_final_loss_rel_diff']:.4%} "
+                  f"(tolerance {args.fp8_tolerance:.2%}): {'PASS' if fp8_ok else 'FAIL'}; median step "
+                  f"{runs['pounce_fp8']['median_step_ms']:.1f} ms")
         try:
             from plot_loss import plot
 
@@ -241,6 +265,8 @@ def main(argv=None):
             print("matplotlib not installed: python examples/plot_loss.py", out / "train_moe.json")
     if num_ranks > 1:
         dist.destroy_process_group()
+    if rank == 0 and "pounce_fp8" in runs and not fp8_ok:
+        sys.exit(1)
     return runs
 
 
